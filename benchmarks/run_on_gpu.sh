@@ -1,0 +1,95 @@
+#!/usr/bin/env bash
+# The one script for the GPU machine (DESIGN.md section 5): build, GPU tests, benchmarks.
+#
+#   bash benchmarks/run_on_gpu.sh                 # all stages: build test bench
+#   bash benchmarks/run_on_gpu.sh build test      # any subset, in this order
+#   PYTEST_ARGS="-k rms" bash benchmarks/run_on_gpu.sh test
+#   BENCH_ARGS="--quick" bash benchmarks/run_on_gpu.sh bench
+#
+# Writes at most 7 files, all directly under $OUT (default /tmp/out):
+#   nvidia-smi.log build.log info.log tests.log bench.log <gpu>.json RESULTS.md
+# A command on the device machine is limited to 10 minutes: a cold CUDA build plus the full
+# benchmark may not fit in one call; `build test` then `bench` in two calls keeps the build
+# (build/ persists on a warm machine, and scikit-build-core rebuilds incrementally).
+# Set JAXGPU_GIT_COMMIT to the commit being measured: the machine's copy has no .git.
+set -euo pipefail
+
+OUT=${OUT:-/tmp/out}
+mkdir -p "$OUT"
+REPO=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$REPO"
+
+export PYTHONUNBUFFERED=1
+# Never import the source tree's jaxgpu/ (it has no compiled modules) instead of the installed
+# one: with this, `python3 -m ...` and scripts do not put the cwd/script dir first on sys.path.
+export PYTHONSAFEPATH=1
+export PATH=/usr/local/cuda/bin:$PATH
+# Only the H100/H200's sm_90: a two-architecture build takes about twice as long.
+export JAXGPU_CUDA_ARCHS=${JAXGPU_CUDA_ARCHS:-90}
+export JAXGPU_CUDA=${JAXGPU_CUDA:-ON}  # fail the build rather than silently skip CUDA
+export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
+
+STAGES=("$@")
+[ ${#STAGES[@]} -eq 0 ] && STAGES=(build test bench)
+for s in "${STAGES[@]}"; do
+  case "$s" in build|test|bench) ;; *) echo "unknown stage '$s' (build, test, bench)" >&2; exit 2 ;; esac
+done
+want() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
+
+status=0
+note() { echo "== $(date +%H:%M:%S) $*"; }
+
+nvidia-smi > "$OUT/nvidia-smi.log" 2>&1 || echo "nvidia-smi failed" >> "$OUT/nvidia-smi.log"
+head -n 12 "$OUT/nvidia-smi.log"
+
+if want build; then
+  note "build (sm_$JAXGPU_CUDA_ARCHS) -> $OUT/build.log"
+  # Non-editable, no isolation (the machine has no network), no deps (all preinstalled).
+  if ! python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
+    tail -n 60 "$OUT/build.log"
+    note "BUILD FAILED"
+    exit 1
+  fi
+  grep -E "jaxgpu:|Successfully" "$OUT/build.log" || true
+  note "jaxgpu info -> $OUT/info.log"
+  {
+    python3 -c "import jaxgpu, jax; print('jaxgpu from', jaxgpu.__file__); print(jax.devices())"
+    python3 -m jaxgpu info
+  } > "$OUT/info.log" 2>&1 || status=1
+  cat "$OUT/info.log"
+fi
+
+# Guard against testing the source tree: the installed package must be the one imported.
+where=$(python3 -c "import jaxgpu; print(jaxgpu.__file__)" 2>&1 || true)
+case "$where" in
+  "$REPO"/*) note "WARNING: jaxgpu imports from the source tree ($where), not the install" ;;
+esac
+
+if want test; then
+  note "tests -> $OUT/tests.log"
+  # GPU tests first and stop at the first failure (fast signal), then the whole suite.
+  # A test failure does not stop the benchmark stage; it makes the script exit non-zero.
+  : > "$OUT/tests.log"
+  run_pytest() {  # exit status 5 = nothing collected (e.g. no gpu-marked tests yet): not a failure
+    local rc
+    set +e
+    # shellcheck disable=SC2086
+    python3 -m pytest "$@" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
+    rc=${PIPESTATUS[0]}
+    set -e
+    if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; note "TESTS FAILED: pytest $* (rc $rc)"; fi
+  }
+  run_pytest -m gpu -x -q -rs
+  run_pytest -q -rs
+fi
+
+if want bench; then
+  note "bench -> $OUT/bench.log"
+  # shellcheck disable=SC2086
+  python3 benchmarks/bench_norm.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
+    || { status=1; note "BENCH FAILED"; }
+fi
+
+note "done (status $status); files in $OUT:"
+ls -la "$OUT"
+exit $status

@@ -1,0 +1,86 @@
+// bfloat16 / float16 <-> float32 conversions for the CPU handlers (no CUDA headers here).
+// Round-to-nearest-even, NaN preserved: bit-identical to ml_dtypes and to the CUDA
+// intrinsics, so CPU and GPU results agree in the last bit of the storage type.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "common/dtype.h"
+
+namespace jaxgpu::cpu {
+
+inline float BitsToFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
+inline uint32_t FloatToBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+
+inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(uint32_t(h) << 16); }
+
+inline uint16_t FloatToBf16(float f) {
+  uint32_t u = FloatToBits(f);
+  if ((u & 0x7fffffffu) > 0x7f800000u) return uint16_t((u >> 16) | 0x40);  // quiet NaN
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return uint16_t(u >> 16);
+}
+
+inline float F16ToFloat(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000u) << 16;
+  const uint32_t exp = (h >> 10) & 0x1fu;
+  uint32_t man = h & 0x3ffu;
+  if (exp == 0x1f) return BitsToFloat(sign | 0x7f800000u | (man << 13));  // inf / nan
+  if (exp == 0) {
+    if (man == 0) return BitsToFloat(sign);
+    // Subnormal: value = man * 2^-24.
+    float v = float(man) * 5.9604644775390625e-08f;
+    return sign ? -v : v;
+  }
+  return BitsToFloat(sign | ((exp + 112u) << 23) | (man << 13));
+}
+
+inline uint16_t FloatToF16(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
+  const uint32_t au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
+  if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // overflow -> inf
+  if (au < 0x38800000u) {                                          // subnormal or zero
+    // Scale so that the half subnormal quantum (2^-24) becomes 1, round to nearest even.
+    const float scaled = BitsToFloat(au) * 16777216.0f;            // exact (power of two)
+    uint32_t m = uint32_t(scaled);
+    const float rem = scaled - float(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return uint16_t(sign | m);
+  }
+  uint32_t r = au + 0xfffu + ((au >> 13) & 1u);                    // round mantissa
+  r -= 0x38000000u;                                                // rebias 127 -> 15
+  return uint16_t(sign | (r >> 13));
+}
+
+// Typed load/store of element i of a buffer holding `dtype`.
+inline float LoadAsFloat(const void* p, DType t, int64_t i) {
+  switch (t) {
+    case DType::kF32: return static_cast<const float*>(p)[i];
+    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
+    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(p)[i]);
+  }
+  return 0.f;
+}
+
+inline void StoreFromFloat(void* p, DType t, int64_t i, float v) {
+  switch (t) {
+    case DType::kF32: static_cast<float*>(p)[i] = v; break;
+    case DType::kBF16: static_cast<uint16_t*>(p)[i] = FloatToBf16(v); break;
+    case DType::kF16: static_cast<uint16_t*>(p)[i] = FloatToF16(v); break;
+  }
+}
+
+// Round a float to the storage type and back (what a store followed by a load gives).
+inline float RoundTrip(float v, DType t) {
+  switch (t) {
+    case DType::kF32: return v;
+    case DType::kBF16: return Bf16ToFloat(FloatToBf16(v));
+    case DType::kF16: return F16ToFloat(FloatToF16(v));
+  }
+  return v;
+}
+
+}  // namespace jaxgpu::cpu

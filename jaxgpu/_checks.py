@@ -1,0 +1,73 @@
+"""Trace-time argument checks shared by every op: errors name the argument and say what
+was expected. Kernels are never launched on input these reject; the FFI handlers check
+again (a last line of defence that returns an error instead of crashing)."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+FLOAT_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def _describe(dtypes) -> str:
+  return ", ".join(str(d) for d in dtypes)
+
+
+def as_array(op: str, name: str, value) -> jax.Array:
+  """`value` as something with .shape and .dtype (tracers pass through)."""
+  if isinstance(value, (jax.Array, np.ndarray)) or hasattr(value, "aval"):
+    return value
+  if isinstance(value, (bool, int, float, complex, list, tuple)):
+    return jnp.asarray(value)
+  raise TypeError(f"{op}: {name} must be an array, got {type(value).__name__}")
+
+
+def float_array(op: str, name: str, value, dtypes=FLOAT_DTYPES) -> jax.Array:
+  x = as_array(op, name, value)
+  if jnp.dtype(x.dtype) not in dtypes:
+    raise TypeError(f"{op}: {name} must have dtype in ({_describe(dtypes)}), got {x.dtype}")
+  return x
+
+
+def min_rank(op: str, name: str, x, rank: int) -> None:
+  if x.ndim < rank:
+    raise ValueError(f"{op}: {name} must have rank >= {rank}, got shape {tuple(x.shape)}")
+
+
+def same_dtype(op: str, name: str, x, ref_name: str, ref) -> None:
+  if x.dtype != ref.dtype:
+    raise TypeError(f"{op}: {name} must have the dtype of {ref_name} ({ref.dtype}), got {x.dtype}")
+
+
+def shape_is(op: str, name: str, x, shape: tuple[int, ...], what: str) -> None:
+  if tuple(x.shape) != tuple(shape):
+    raise ValueError(f"{op}: {name} must have shape {tuple(shape)} ({what}), "
+                     f"got {tuple(x.shape)}")
+
+
+def positive_finite(op: str, name: str, value) -> float:
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+  if not (v > 0 and math.isfinite(v)):
+    raise ValueError(f"{op}: {name} must be positive and finite, got {value!r}")
+  return v
+
+
+def finite(op: str, name: str, value) -> float:
+  if isinstance(value, jax.core.Tracer):
+    raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
+  try:
+    v = float(value)
+  except (TypeError, ValueError):
+    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+  if not math.isfinite(v):
+    raise ValueError(f"{op}: {name} must be finite, got {value!r}")
+  return v

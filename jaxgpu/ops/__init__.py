@@ -1,0 +1,1 @@
+"""Kernel-backed ops, one module per family."""
