@@ -1,0 +1,107 @@
+// Device helpers shared by the CUDA kernels: vector load/store, float conversion of the
+// storage types, and deterministic row reductions. No XLA types.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common/dtype.h"
+
+namespace jaxgpu::cuda {
+
+// N elements of T moved as one access: 16 bytes for N * sizeof(T) == 16, the widest
+// load a thread can issue (LDG.128), which memory-bound kernels need to reach HBM rate.
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Vec {
+  T v[N];
+};
+
+__device__ __forceinline__ float ToFloat(float x) { return x; }
+__device__ __forceinline__ float ToFloat(__half x) { return __half2float(x); }
+__device__ __forceinline__ float ToFloat(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+template <typename T>
+__device__ __forceinline__ T FromFloat(float x);
+template <>
+__device__ __forceinline__ float FromFloat<float>(float x) { return x; }
+template <>
+__device__ __forceinline__ __half FromFloat<__half>(float x) { return __float2half_rn(x); }
+template <>
+__device__ __forceinline__ __nv_bfloat16 FromFloat<__nv_bfloat16>(float x) {
+  return __float2bfloat16_rn(x);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> LoadVec(const void* base, int64_t elem) {
+  return *reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(base) + elem);
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void StoreVec(void* base, int64_t elem, const Vec<T, N>& v) {
+  *reinterpret_cast<Vec<T, N>*>(static_cast<T*>(base) + elem) = v;
+}
+
+// Sum of `v` over the `tpr` threads (a power of two) that share threadIdx.y: shuffles
+// within the warp, then one shared-memory step across the row's warps. The order of the
+// additions is fixed, so the result is bitwise reproducible. `scratch` holds 32 floats
+// per threadIdx.y. Every thread of the block must call it (it may __syncthreads).
+template <int N>
+__device__ __forceinline__ void RowSum(float (&v)[N], float* scratch, int tpr) {
+  const int width = tpr < 32 ? tpr : 32;
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    for (int o = width / 2; o > 0; o >>= 1) v[i] += __shfl_xor_sync(0xffffffffu, v[i], o);
+  }
+  if (tpr <= 32) return;
+  const int warps = tpr / 32;
+  float* row = scratch + threadIdx.y * 32 * N;
+  if ((threadIdx.x & 31) == 0) {
+#pragma unroll
+    for (int i = 0; i < N; ++i) row[i * 32 + threadIdx.x / 32] = v[i];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int i = 0; i < N; ++i) {
+    float s = 0.f;
+    for (int w = 0; w < warps; ++w) s += row[i * 32 + w];
+    v[i] = s;
+  }
+  __syncthreads();  // the scratch may be reused by the next reduction
+}
+
+inline int NextPow2(int64_t n) {
+  int p = 1;
+  while (p < n) p <<= 1;
+  return p;
+}
+
+__host__ __device__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+// Multiprocessor count of the current device (one attribute query per call: cheap, no sync).
+inline int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return 1;
+  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
+  return sms > 0 ? sms : 1;
+}
+
+}  // namespace jaxgpu::cuda
+
+// Runtime value -> compile-time type/constant (one instantiation per case).
+#define JAXGPU_DTYPE_SWITCH(dtype, T, ...)                      \
+  [&] {                                                         \
+    switch (dtype) {                                            \
+      case ::jaxgpu::DType::kF32: { using T = float; return __VA_ARGS__(); }          \
+      case ::jaxgpu::DType::kBF16: { using T = __nv_bfloat16; return __VA_ARGS__(); } \
+      default: { using T = __half; return __VA_ARGS__(); }      \
+    }                                                           \
+  }()
+
+#define JAXGPU_BOOL_SWITCH(cond, NAME, ...)                     \
+  [&] {                                                         \
+    if (cond) { constexpr bool NAME = true; return __VA_ARGS__(); }   \
+    else { constexpr bool NAME = false; return __VA_ARGS__(); }       \
+  }()
