@@ -3,6 +3,7 @@
 #
 #   bash benchmarks/run_on_gpu.sh                 # all stages: build test bench
 #   bash benchmarks/run_on_gpu.sh build test      # any subset, in this order
+#   bash benchmarks/run_on_gpu.sh build gputest   # only the gpu-marked tests (faster)
 #   PYTEST_ARGS="-k rms" bash benchmarks/run_on_gpu.sh test
 #   BENCH_ARGS="--quick" bash benchmarks/run_on_gpu.sh bench
 #
@@ -32,7 +33,8 @@ export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 STAGES=("$@")
 [ ${#STAGES[@]} -eq 0 ] && STAGES=(build test bench)
 for s in "${STAGES[@]}"; do
-  case "$s" in build|test|bench) ;; *) echo "unknown stage '$s' (build, test, bench)" >&2; exit 2 ;; esac
+  case "$s" in build|test|gputest|bench) ;;
+    *) echo "unknown stage '$s' (build, test, gputest, bench)" >&2; exit 2 ;; esac
 done
 want() { [[ " ${STAGES[*]} " == *" $1 "* ]]; }
 
@@ -65,7 +67,7 @@ case "$where" in
   "$REPO"/*) note "WARNING: jaxgpu imports from the source tree ($where), not the install" ;;
 esac
 
-if want test; then
+if want test || want gputest; then
   note "tests -> $OUT/tests.log"
   # GPU tests first and stop at the first failure (fast signal), then the whole suite.
   # A test failure does not stop the benchmark stage; it makes the script exit non-zero.
@@ -73,14 +75,16 @@ if want test; then
   run_pytest() {  # exit status 5 = nothing collected (e.g. no gpu-marked tests yet): not a failure
     local rc
     set +e
+    # No preallocation of 75% of GPU memory: lets PYTEST_ARGS="-n 4" (xdist) share the GPU.
     # shellcheck disable=SC2086
-    python3 -m pytest "$@" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
+    XLA_PYTHON_CLIENT_PREALLOCATE=false \
+      python3 -m pytest "$@" ${PYTEST_ARGS:-} 2>&1 | tee -a "$OUT/tests.log" | tail -n 40
     rc=${PIPESTATUS[0]}
     set -e
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; note "TESTS FAILED: pytest $* (rc $rc)"; fi
   }
   run_pytest -m gpu -x -q -rs
-  run_pytest -q -rs
+  if want test; then run_pytest -q -rs --durations=10; fi
 fi
 
 if want bench; then

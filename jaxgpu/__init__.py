@@ -5,8 +5,14 @@ pmap and jit with sharded inputs; ``implementation=`` picks 'cuda', 'cpu' (FFI k
 or 'xla' (the pure-JAX reference in jaxgpu.reference).
 """
 
-from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations
-from jaxgpu.ops.norm import layer_norm, rms_norm
+import pkgutil
+
+# Run from a source checkout (`python -m ...` puts the cwd first on sys.path), this package
+# is the source tree, which holds no compiled modules: look for them in the installed copy.
+__path__ = pkgutil.extend_path(__path__, __name__)
+
+from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
+from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 
 __version__ = "0.1.0"
 

@@ -44,6 +44,29 @@ __device__ __forceinline__ void StoreVec(void* base, int64_t elem, const Vec<T, 
   *reinterpret_cast<Vec<T, N>*>(static_cast<T*>(base) + elem) = v;
 }
 
+// Streaming variants for data touched once (activations): evict-first (.cs), so a pass
+// over a tensor larger than L2 does not push out what is reused (weights, partials).
+template <typename T, int N>
+__device__ __forceinline__ Vec<T, N> LoadVecStream(const void* base, int64_t elem) {
+  const Vec<T, N>* ptr = reinterpret_cast<const Vec<T, N>*>(static_cast<const T*>(base) + elem);
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    const uint4 u = __ldcs(reinterpret_cast<const uint4*>(ptr));
+    return *reinterpret_cast<const Vec<T, N>*>(&u);
+  } else {
+    return *ptr;
+  }
+}
+
+template <typename T, int N>
+__device__ __forceinline__ void StoreVecStream(void* base, int64_t elem, const Vec<T, N>& v) {
+  Vec<T, N>* ptr = reinterpret_cast<Vec<T, N>*>(static_cast<T*>(base) + elem);
+  if constexpr (sizeof(Vec<T, N>) == 16) {
+    __stcs(reinterpret_cast<uint4*>(ptr), *reinterpret_cast<const uint4*>(&v));
+  } else {
+    *ptr = v;
+  }
+}
+
 // Sum of `v` over the `tpr` threads (a power of two) that share threadIdx.y: shuffles
 // within the warp, then one shared-memory step across the row's warps. The order of the
 // additions is fixed, so the result is bitwise reproducible. `scratch` holds 32 floats
@@ -70,6 +93,19 @@ __device__ __forceinline__ void RowSum(float (&v)[N], float* scratch, int tpr) {
     v[i] = s;
   }
   __syncthreads();  // the scratch may be reused by the next reduction
+}
+
+// Asynchronous 16-byte global -> shared copies (sm_80+), bypassing L1 (.cg): a thread
+// stages data without holding it in registers, so many rows can be in flight per SM.
+// A thread may read what it copied itself after CpAsyncWait; other threads need a barrier.
+__device__ __forceinline__ void CpAsync16(void* smem, const void* gmem) {
+  const unsigned dst = static_cast<unsigned>(__cvta_generic_to_shared(smem));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(gmem) : "memory");
+}
+__device__ __forceinline__ void CpAsyncCommit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void CpAsyncWait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
 }
 
 inline int NextPow2(int64_t n) {

@@ -7,12 +7,14 @@
 //        attrs eps f32, weight_offset f32, has_residual, has_weight, has_bias (bool)
 //   bwd  args  dy (G,R,D), dh (G,R,D)|(0), xh (G,R,D), weight (Gw,D)|(0),
 //              mean (G,R) f32|(0), rstd (G,R) f32
-//        rets  dx (G,R,D), dweight (G,D) f32|(0), dbias (G,D) f32|(0)
+//        rets  dx (G,R,D), dweight (G,D) f32|(0), dbias (G,D) f32|(0),
+//              workspace (K,G,S,D) f32|(0)  (K = wanted gradients; S row slots, CUDA only)
 //        attrs weight_offset f32, has_dh, has_weight, want_dweight, want_dbias (bool)
 // Gw and Gb are 1 (shared by all groups) or G. Absent operands are size-0 buffers.
 #pragma once
 
 #include <cmath>
+#include <cstdint>
 #include <string>
 
 #include "common/ffi_checks.h"
@@ -46,6 +48,7 @@ namespace jaxgpu {
       .Ret<::xla::ffi::AnyBuffer>()          /* dx */                              \
       .Ret<::xla::ffi::AnyBuffer>()          /* dweight */                         \
       .Ret<::xla::ffi::AnyBuffer>()          /* dbias */                           \
+      .Ret<::xla::ffi::AnyBuffer>()          /* workspace */                       \
       .Attr<float>("weight_offset")          /* weight_offset */                   \
       .Attr<bool>("has_dh")                  /* has_dh */                          \
       .Attr<bool>("has_weight")              /* has_weight */                      \
@@ -98,6 +101,7 @@ inline ffi::Error MakeNormFwdParams(NormKind kind, ffi::AnyBuffer x, ffi::AnyBuf
     return ffi::Error::InvalidArgument("bias: rms_norm has no bias");
   }
   const int64_t G = dims[0], R = dims[1], D = dims[2];
+  if (D > INT32_MAX) return ffi::Error::InvalidArgument("x: the last dim must be < 2^31");
   const int64_t n = G * R * D;
   const auto et = x.element_type();
   const auto f32 = ffi::DataType::F32;
@@ -148,7 +152,8 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
                                     ffi::AnyBuffer xh, ffi::AnyBuffer weight, ffi::AnyBuffer mean,
                                     ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
                                     ffi::Result<ffi::AnyBuffer> dweight,
-                                    ffi::Result<ffi::AnyBuffer> dbias, float weight_offset,
+                                    ffi::Result<ffi::AnyBuffer> dbias,
+                                    ffi::Result<ffi::AnyBuffer> workspace, float weight_offset,
                                     bool has_dh, bool has_weight, bool want_dweight,
                                     bool want_dbias, NormBwdParams* p) {
   using namespace norm_detail;
@@ -160,6 +165,7 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
     return ffi::Error::InvalidArgument("dbias: rms_norm has no bias");
   }
   const int64_t G = dims[0], R = dims[1], D = dims[2];
+  if (D > INT32_MAX) return ffi::Error::InvalidArgument("xh: the last dim must be < 2^31");
   const int64_t n = G * R * D;
   const auto et = xh.element_type();
   const auto f32 = ffi::DataType::F32;
@@ -202,6 +208,18 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
     p->dbias = static_cast<float*>(dbias->untyped_data());
   } else {
     JAXGPU_RETURN_IF_ERROR(Absent(*dbias, "dbias"));
+  }
+  if (workspace->element_count() != 0) {
+    auto wd = workspace->dimensions();
+    const int64_t k = int64_t(want_dweight) + int64_t(want_dbias);
+    if (workspace->element_type() != f32 || wd.size() != 4 || wd[0] != k || wd[1] != G ||
+        wd[2] < 1 || wd[3] != D) {
+      return ffi::Error::InvalidArgument("workspace: expected float32 (" + std::to_string(k) +
+                                         ", " + std::to_string(G) + ", slots, " +
+                                         std::to_string(D) + ")");
+    }
+    p->workspace = static_cast<float*>(workspace->untyped_data());
+    p->slots = wd[2];
   }
   p->dy = dy.untyped_data();
   p->xh = xh.untyped_data();

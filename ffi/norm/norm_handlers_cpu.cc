@@ -25,11 +25,12 @@ template <NormKind kKind>
 ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer xh,
                       ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
-                      ffi::Result<ffi::AnyBuffer> dbias, float weight_offset, bool has_dh,
+                      ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
+                      float weight_offset, bool has_dh,
                       bool has_weight, bool want_dweight, bool want_dbias) {
   NormBwdParams p;
   JAXGPU_RETURN_IF_ERROR(MakeNormBwdParams(kKind, dy, dh, xh, weight, mean, rstd, dx, dweight,
-                                           dbias, weight_offset, has_dh, has_weight,
+                                           dbias, workspace, weight_offset, has_dh, has_weight,
                                            want_dweight, want_dbias, &p));
   cpu::NormBwd(p);
   return ffi::Error::Success();

@@ -1,6 +1,8 @@
 // CUDA FFI handlers of the normalization family: validate, then launch norm_kernels.cu on
-// XLA's stream. No syncs and no cudaMalloc (the backward scratch comes from XLA's
-// allocator), so the handlers are safe to capture in CUDA graphs (kCmdBufferCompatible).
+// XLA's stream. No syncs and no allocation (the backward pass's partial sums live in a
+// workspace output that XLA plans like any buffer; ffi::ScratchAllocator failed to
+// allocate inside XLA's command buffers on the H100, jax 0.11.2), so the handlers are safe
+// to capture in CUDA graphs (kCmdBufferCompatible).
 #include <string>
 
 #include "norm/norm_cuda.h"
@@ -29,26 +31,20 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer res
 }
 
 template <NormKind kKind>
-ffi::Error NormBwdCuda(cudaStream_t stream, ffi::ScratchAllocator scratch, ffi::AnyBuffer dy,
-                       ffi::AnyBuffer dh, ffi::AnyBuffer xh, ffi::AnyBuffer weight,
-                       ffi::AnyBuffer mean, ffi::AnyBuffer rstd, ffi::Result<ffi::AnyBuffer> dx,
-                       ffi::Result<ffi::AnyBuffer> dweight, ffi::Result<ffi::AnyBuffer> dbias,
+ffi::Error NormBwdCuda(cudaStream_t stream, ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer xh,
+                       ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
+                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
+                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
                        float weight_offset, bool has_dh, bool has_weight, bool want_dweight,
                        bool want_dbias) {
   NormBwdParams p;
   JAXGPU_RETURN_IF_ERROR(MakeNormBwdParams(kKind, dy, dh, xh, weight, mean, rstd, dx, dweight,
-                                           dbias, weight_offset, has_dh, has_weight,
+                                           dbias, workspace, weight_offset, has_dh, has_weight,
                                            want_dweight, want_dbias, &p));
-  void* workspace = nullptr;
-  if (const size_t bytes = cuda::NormBwdWorkspaceBytes(p); bytes > 0) {
-    auto buffer = scratch.Allocate(bytes, 256);
-    if (!buffer.has_value()) {
-      return ffi::Error::Internal("norm backward: could not allocate " + std::to_string(bytes) +
-                                  " bytes of scratch");
-    }
-    workspace = *buffer;
+  if ((p.dweight || p.dbias) && p.workspace == nullptr && p.rows_per_group > 0) {
+    return ffi::Error::InvalidArgument("workspace: the CUDA backward pass needs one");
   }
-  return CudaStatus(cuda::LaunchNormBwd(p, workspace, stream), "norm backward launch");
+  return CudaStatus(cuda::LaunchNormBwd(p, stream), "norm backward launch");
 }
 
 }  // namespace
@@ -66,8 +62,8 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuLayerNormFwdCuda, jaxgpu::NormFwdCuda<NormKi
                               JAXGPU_NORM_FWD_BINDING(JAXGPU_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuRmsNormBwdCuda, jaxgpu::NormBwdCuda<NormKind::kRms>,
-                              JAXGPU_NORM_BWD_BINDING(JAXGPU_CUDA_BIND().Ctx<xffi::ScratchAllocator>()),
+                              JAXGPU_NORM_BWD_BINDING(JAXGPU_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuLayerNormBwdCuda, jaxgpu::NormBwdCuda<NormKind::kLayer>,
-                              JAXGPU_NORM_BWD_BINDING(JAXGPU_CUDA_BIND().Ctx<xffi::ScratchAllocator>()),
+                              JAXGPU_NORM_BWD_BINDING(JAXGPU_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});

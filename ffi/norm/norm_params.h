@@ -53,6 +53,11 @@ struct NormBwdParams {
   void* dx;              // also the residual's gradient
   float* dweight;        // (groups, dim) float32; nullptr: not wanted
   float* dbias;          // (groups, dim) float32; nullptr: not wanted
+  // Deterministic weight/bias gradients (CUDA): `slots` row slots per group each sum a
+  // fixed subset of rows into one partial row; then the partials are summed in order.
+  // (k, groups, slots, dim) float32, k = number of wanted gradients. The CPU ignores it.
+  float* workspace;
+  int64_t slots;
 };
 
 inline int64_t NormRows(int64_t groups, int64_t rows_per_group) {

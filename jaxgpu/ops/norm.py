@@ -5,8 +5,8 @@ jaxgpu/reference/norm.py. Tests: tests/test_norm.py. Benchmarks: benchmarks/benc
 
 Memory. The forward pass allocates its outputs (y, and h with a residual) plus one
 float32 per row (rstd; and the mean for layer norm) kept for the backward pass. The
-backward pass allocates dx and a float32 (G, D) weight/bias gradient; the CUDA kernel
-also takes a float32 scratch of (blocks, D) partial sums from XLA's allocator. No
+backward pass allocates dx and a float32 (G, D) weight/bias gradient; on CUDA also a
+float32 workspace of partial sums of about 8 MiB per gradient (see _PARTIAL_FLOATS). No
 float32 copy of a row-shaped array is made.
 """
 
@@ -102,6 +102,21 @@ def _fwd_call(cfg: _Config, x, residual, weight, bias):
   return y, h, mean, outs.pop(0)
 
 
+# The CUDA backward pass sums dweight/dbias over rows in `slots` row slots per group, each
+# writing one float32 partial row to a workspace that is then reduced in a fixed order
+# (deterministic, no atomics). 2^21 partial floats (8 MiB) give ~2 waves of row slots on
+# an H100 for any D (D = 8192: 256 slots of 512 threads) while the partials stay ~2% of
+# the backward pass's traffic at (16384, 8192). The workspace is an ffi_call output, not
+# scratch from the handler: XLA plans it like any buffer, also inside CUDA graphs.
+_PARTIAL_FLOATS = 1 << 21
+
+
+def _workspace_slots(cfg: _Config, groups: int, rows: int, dim: int) -> int:
+  if cfg.implementation == "cpu" or (cfg.implementation is None and not _ffi.has_cuda_backend()):
+    return 0  # the CPU kernel sums in float64 in row order and needs none
+  return max(1, min(rows, -(-_PARTIAL_FLOATS // max(1, dim * groups))))
+
+
 def _bwd_call(cfg: _Config, dy, dh, xh, weight, mean, rstd):
   """Grouped arrays in; (dx, dweight (G, D) f32 | None, dbias (G, D) f32 | None) out."""
   has_dh = dh is not None
@@ -124,11 +139,15 @@ def _bwd_call(cfg: _Config, dy, dh, xh, weight, mean, rstd):
     groups, dim = rows.shape[0], rows.shape[-1]
     per_group = jax.ShapeDtypeStruct((groups, dim), jnp.float32)
     none32 = jax.ShapeDtypeStruct((0,), jnp.float32)
-    dx, dw, db = jax.ffi.ffi_call(
+    n_grads = int(cfg.has_weight) + int(cfg.has_bias)
+    slots = _workspace_slots(cfg, groups, rows.shape[1], dim) if n_grads else 0
+    workspace = jax.ShapeDtypeStruct((n_grads, groups, slots, dim) if slots else (0,), jnp.float32)
+    dx, dw, db, _ = jax.ffi.ffi_call(
         cfg.target("bwd"),
         (jax.ShapeDtypeStruct(rows.shape, dt),
          per_group if cfg.has_weight else none32,
-         per_group if cfg.has_bias else none32),
+         per_group if cfg.has_bias else none32,
+         workspace),
     )(rows,
       _as_rows(dh) if has_dh else _empty(dt),
       _as_rows(xh),
