@@ -73,6 +73,48 @@ inline void StoreFromFloat(void* p, DType t, int64_t i, float v) {
   }
 }
 
+// n elements from offset `at` of a buffer holding `t`, to / from float. One dtype switch
+// per row keeps the per-element loops branch-free (and vectorizable).
+inline void LoadFloats(const void* p, DType t, int64_t at, int64_t n, float* out) {
+  switch (t) {
+    case DType::kF32: {
+      const float* src = static_cast<const float*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = src[i];
+      break;
+    }
+    case DType::kBF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = Bf16ToFloat(src[i]);
+      break;
+    }
+    case DType::kF16: {
+      const uint16_t* src = static_cast<const uint16_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = F16ToFloat(src[i]);
+      break;
+    }
+  }
+}
+
+inline void StoreFloats(void* p, DType t, int64_t at, int64_t n, const float* in) {
+  switch (t) {
+    case DType::kF32: {
+      float* dst = static_cast<float*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = in[i];
+      break;
+    }
+    case DType::kBF16: {
+      uint16_t* dst = static_cast<uint16_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToBf16(in[i]);
+      break;
+    }
+    case DType::kF16: {
+      uint16_t* dst = static_cast<uint16_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) dst[i] = FloatToF16(in[i]);
+      break;
+    }
+  }
+}
+
 // Round a float to the storage type and back (what a store followed by a load gives).
 inline float RoundTrip(float v, DType t) {
   switch (t) {

@@ -69,6 +69,14 @@ RowConfig ChooseRowConfig(int64_t dim, DType dtype, int target_vpt, int max_vpt,
 }
 
 template <typename T, int VEC>
+__device__ __forceinline__ Vec<T, VEC> ToVec(const float (&f)[VEC]) {
+  Vec<T, VEC> v;
+#pragma unroll
+  for (int j = 0; j < VEC; ++j) v.v[j] = FromFloat<T>(f[j]);
+  return v;
+}
+
+template <typename T, int VEC>
 __device__ __forceinline__ void ToFloats(const Vec<T, VEC>& v, float (&f)[VEC]) {
 #pragma unroll
   for (int j = 0; j < VEC; ++j) f[j] = ToFloat(v.v[j]);
@@ -126,6 +134,18 @@ __device__ __forceinline__ void LoadRow(const void* src, int64_t base, int64_t D
       for (int j = 0; j < VEC; ++j) v[k].v[j] = FromFloat<T>(0.f);
     }
   }
+}
+
+// dx (+ dh, the cotangent of the residual stream, read from memory) at `elem`.
+template <typename T, int VEC>
+__device__ __forceinline__ void StoreDx(const NormBwdParams& p, int64_t elem, float (&dx)[VEC]) {
+  if (p.dh) {
+    float dh[VEC];
+    ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.dh, elem), dh);
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) dx[j] += dh[j];
+  }
+  StoreVecStream<T, VEC>(p.dx, elem, ToVec<T, VEC>(dx));
 }
 
 // ---- forward -------------------------------------------------------------------------------
@@ -334,6 +354,73 @@ __device__ __forceinline__ void WeightFloats(const NormBwdParams& p, int64_t gro
   }
 }
 
+// Per-thread state of a backward row slot: the weights of its columns, and the
+// dweight/dbias sums of its rows (dbias for layer norm only).
+template <typename T, int VEC, int VPT, bool kLayer>
+struct BwdColumns {
+  static constexpr int kDb = kLayer ? VPT : 1;
+  Vec<T, VEC> w[VPT];
+  float dw[VPT][VEC], db[kDb][VEC];
+  float w_add;  // weight_offset, or 1 without a weight (a scale of 1)
+
+  __device__ __forceinline__ void Init(const NormBwdParams& p, int64_t group, int tpr, int D) {
+    w_add = p.weight ? p.weight_offset : 1.f;
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (int(threadIdx.x) + k * tpr) * VEC;  // < D <= INT32_MAX
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        w[k].v[j] = FromFloat<T>(0.f);
+        dw[k][j] = 0.f;
+        if (kLayer) db[k < kDb ? k : 0][j] = 0.f;
+      }
+      if (p.weight && col < D) w[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
+    }
+  }
+
+  // One vector of a row: accumulates dweight/dbias and the row sums of g and g * xhat.
+  __device__ __forceinline__ void Add(int k, const Vec<T, VEC>& dy, const Vec<T, VEC>& x, float mean,
+                                      float rstd, float (&sums)[2]) {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float d = ToFloat(dy.v[j]);
+      const float xhat = (ToFloat(x.v[j]) - mean) * rstd;
+      const float g = d * (ToFloat(w[k].v[j]) + w_add);
+      sums[0] += g;
+      sums[1] += g * xhat;
+      dw[k][j] += d * xhat;
+      if constexpr (kLayer) db[k][j] += d;
+    }
+  }
+
+  // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) for one vector.
+  __device__ __forceinline__ void Dx(int k, const Vec<T, VEC>& dy, const Vec<T, VEC>& x, float mean,
+                                     float rstd, float mean_g, float mean_gx, float (&dx)[VEC]) const {
+#pragma unroll
+    for (int j = 0; j < VEC; ++j) {
+      const float xhat = (ToFloat(x.v[j]) - mean) * rstd;
+      const float g = ToFloat(dy.v[j]) * (ToFloat(w[k].v[j]) + w_add);
+      dx[j] = rstd * (g - mean_g - xhat * mean_gx);
+    }
+  }
+
+  // This slot's partial row of dweight (and dbias).
+  __device__ __forceinline__ void Write(int64_t partial, int tpr, int D, float* ws_dw, float* ws_db) const {
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int col = (int(threadIdx.x) + k * tpr) * VEC;
+      if (col >= D) continue;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        if (ws_dw) ws_dw[partial + col + j] = dw[k][j];
+        if constexpr (kLayer) {
+          if (ws_db) ws_db[partial + col + j] = db[k][j];
+        }
+      }
+    }
+  }
+};
+
 template <typename T, int VEC, int VPT, bool kLayer>
 __global__ void __launch_bounds__(kRegsMaxThreads)
     NormBwdRegs(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw, float* ws_db) {
@@ -342,34 +429,17 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
   const int64_t slots = p.slots;
   const int64_t slot = int64_t(blockIdx.x % blocks_per_group) * blockDim.y + threadIdx.y;
   const bool has_slot = slot < slots;  // the last block of a group may have spare rows
-  const int64_t R = p.rows_per_group, D = p.dim;
-
-  // Registers per thread at VPT=2, bf16: weights and dy/xh packed (3 x 8), dweight
-  // accumulators 16, dbias 16 (layer norm only).
-  constexpr int kDb = kLayer ? VPT : 1;
-  Vec<T, VEC> wv[VPT];
-  float dw[VPT][VEC], db[kDb][VEC];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int col = (int(threadIdx.x) + k * tpr) * VEC;  // < D <= INT32_MAX
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) wv[k].v[j] = FromFloat<T>(0.f);
-    if (p.weight && col < D) wv[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) dw[k][j] = 0.f;
-  }
-#pragma unroll
-  for (int k = 0; k < kDb; ++k)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) db[k][j] = 0.f;
-  const float w_add = p.weight ? p.weight_offset : 1.f;  // no weight: a scale of 1
+  const int64_t R = p.rows_per_group;
+  const int D = static_cast<int>(p.dim);
+  BwdColumns<T, VEC, VPT, kLayer> cols;
+  cols.Init(p, group, tpr, D);
 
   const int64_t iters = CeilDiv(R, slots);  // the same for every thread of the block
   for (int64_t it = 0; it < iters; ++it) {
     const int64_t r = it * slots + slot;
     const bool valid = has_slot && r < R;
     const int64_t row = group * R + r;
-    const int64_t base = row * D;
+    const int64_t base = row * p.dim;
     const float rstd = valid ? p.rstd[row] : 0.f;
     const float mean = (kLayer && valid) ? p.mean[row] : 0.f;
 
@@ -378,55 +448,21 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
     LoadRow<T, VEC, VPT>(p.xh, base, D, tpr, valid, xv);
     float sums[2] = {0.f, 0.f};
 #pragma unroll
-    for (int k = 0; k < VPT; ++k) {
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {  // out-of-row and invalid vectors are zeros
-        const float dy = ToFloat(dyv[k].v[j]);
-        const float xhat = (ToFloat(xv[k].v[j]) - mean) * rstd;
-        const float gi = dy * (ToFloat(wv[k].v[j]) + w_add);
-        sums[0] += gi;
-        sums[1] += gi * xhat;
-        dw[k][j] += dy * xhat;
-        if constexpr (kLayer) db[k][j] += dy;
-      }
-    }
+    for (int k = 0; k < VPT; ++k) cols.Add(k, dyv[k], xv[k], mean, rstd, sums);  // zeros outside
     RowSum(sums, scratch, tpr);
     if (!valid) continue;
     const float mean_g = kLayer ? sums[0] / float(D) : 0.f;
     const float mean_gx = sums[1] / float(D);
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
-      const int col = (int(threadIdx.x) + k * tpr) * VEC;  // < D <= INT32_MAX
+      const int col = (int(threadIdx.x) + k * tpr) * VEC;
       if (col >= D) continue;
-      float dh[VEC];
-      if (p.dh) ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.dh, base + col), dh);
-      Vec<T, VEC> out;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float xhat = (ToFloat(xv[k].v[j]) - mean) * rstd;
-        const float gi = ToFloat(dyv[k].v[j]) * (ToFloat(wv[k].v[j]) + w_add);
-        float dx = rstd * (gi - mean_g - xhat * mean_gx);
-        if (p.dh) dx += dh[j];
-        out.v[j] = FromFloat<T>(dx);
-      }
-      StoreVecStream<T, VEC>(p.dx, base + col, out);
+      float dx[VEC];
+      cols.Dx(k, dyv[k], xv[k], mean, rstd, mean_g, mean_gx, dx);
+      StoreDx<T, VEC>(p, base + col, dx);
     }
   }
-
-  if (!has_slot) return;
-  const int64_t partial = (group * slots + slot) * D;
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int col = (int(threadIdx.x) + k * tpr) * VEC;  // < D <= INT32_MAX
-    if (col >= D) continue;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      if (ws_dw) ws_dw[partial + col + j] = dw[k][j];
-      if constexpr (kLayer) {
-        if (ws_db) ws_db[partial + col + j] = db[k][j];
-      }
-    }
-  }
+  if (has_slot) cols.Write((group * slots + slot) * p.dim, tpr, D, ws_dw, ws_db);
 }
 
 // Staged backward pass (rows of whole 16-byte vectors): dy and xh (and dh) of the next
@@ -449,23 +485,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
   T* mine = reinterpret_cast<T*>(staged) + int64_t(threadIdx.y) * arrays * D;
   const int64_t stage_elems = int64_t(blockDim.y) * arrays * D;
 
-  constexpr int kDb = kLayer ? VPT : 1;
-  Vec<T, VEC> wv[VPT];
-  float dw[VPT][VEC], db[kDb][VEC];
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int col = (int(threadIdx.x) + k * tpr) * VEC;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) wv[k].v[j] = FromFloat<T>(0.f);
-    if (p.weight && col < D) wv[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) dw[k][j] = 0.f;
-  }
-#pragma unroll
-  for (int k = 0; k < kDb; ++k)
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) db[k][j] = 0.f;
-  const float w_add = p.weight ? p.weight_offset : 1.f;  // no weight: a scale of 1
+  BwdColumns<T, VEC, VPT, kLayer> cols;
+  cols.Init(p, group, tpr, D);
 
   const int64_t iters = CeilDiv(R, slots);  // the same for every thread of the block
   auto issue = [&](int64_t it) {  // stage the row of iteration `it` (if any), one group
@@ -502,18 +523,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
     for (int k = 0; k < VPT; ++k) {
       const int col = (int(threadIdx.x) + k * tpr) * VEC;
       if (!valid || col >= D) continue;
-      const Vec<T, VEC> dyv = *reinterpret_cast<const Vec<T, VEC>*>(cur + col);
-      const Vec<T, VEC> xv = *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float dy = ToFloat(dyv.v[j]);
-        const float xhat = (ToFloat(xv.v[j]) - mean) * rstd;
-        const float gi = dy * (ToFloat(wv[k].v[j]) + w_add);
-        sums[0] += gi;
-        sums[1] += gi * xhat;
-        dw[k][j] += dy * xhat;
-        if constexpr (kLayer) db[k][j] += dy;
-      }
+      cols.Add(k, *reinterpret_cast<const Vec<T, VEC>*>(cur + col),
+               *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col), mean, rstd, sums);
     }
     RowSum(sums, scratch, tpr);
     if (!valid) continue;
@@ -524,42 +535,19 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
     for (int k = 0; k < VPT; ++k) {
       const int col = (int(threadIdx.x) + k * tpr) * VEC;
       if (col >= D) continue;
-      const Vec<T, VEC> dyv = *reinterpret_cast<const Vec<T, VEC>*>(cur + col);
-      const Vec<T, VEC> xv = *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col);
       float dx[VEC];
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        const float xhat = (ToFloat(xv.v[j]) - mean) * rstd;
-        const float gi = ToFloat(dyv.v[j]) * (ToFloat(wv[k].v[j]) + w_add);
-        dx[j] = rstd * (gi - mean_g - xhat * mean_gx);
-      }
+      cols.Dx(k, *reinterpret_cast<const Vec<T, VEC>*>(cur + col),
+              *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col), mean, rstd, mean_g, mean_gx, dx);
       if (p.dh) {
         const Vec<T, VEC> dhv = *reinterpret_cast<const Vec<T, VEC>*>(cur + 2 * D + col);
 #pragma unroll
         for (int j = 0; j < VEC; ++j) dx[j] += ToFloat(dhv.v[j]);
       }
-      Vec<T, VEC> out;
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(dx[j]);
-      StoreVecStream<T, VEC>(p.dx, base + col, out);
+      StoreVecStream<T, VEC>(p.dx, base + col, ToVec<T, VEC>(dx));
     }
   }
   CpAsyncWait<0>();
-
-  if (!has_slot) return;
-  const int64_t partial = (group * slots + slot) * p.dim;
-#pragma unroll
-  for (int k = 0; k < VPT; ++k) {
-    const int col = (int(threadIdx.x) + k * tpr) * VEC;
-    if (col >= D) continue;
-#pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      if (ws_dw) ws_dw[partial + col + j] = dw[k][j];
-      if constexpr (kLayer) {
-        if (ws_db) ws_db[partial + col + j] = db[k][j];
-      }
-    }
-  }
+  if (has_slot) cols.Write((group * slots + slot) * p.dim, tpr, D, ws_dw, ws_db);
 }
 
 // Rows too wide for registers: one row at a time per block of 1024 threads, two passes,

@@ -3,12 +3,15 @@
 
 #include "xla/ffi/api/api.h"
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuRmsNormFwdCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuLayerNormFwdCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuRmsNormBwdCpu);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuLayerNormBwdCpu);
+// X(target name, handler symbol stem): the CPU handler is <stem>Cpu, the CUDA one <stem>Cuda.
+#define JAXGPU_NORM_TARGETS(X)                     \
+  X("jaxgpu_rms_norm_fwd", JaxgpuRmsNormFwd)       \
+  X("jaxgpu_rms_norm_bwd", JaxgpuRmsNormBwd)       \
+  X("jaxgpu_layer_norm_fwd", JaxgpuLayerNormFwd)   \
+  X("jaxgpu_layer_norm_bwd", JaxgpuLayerNormBwd)
 
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuRmsNormFwdCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuLayerNormFwdCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuRmsNormBwdCuda);
-XLA_FFI_DECLARE_HANDLER_SYMBOL(JaxgpuLayerNormBwdCuda);
+#define JAXGPU_DECLARE_CPU_AND_CUDA(name, stem) \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu);    \
+  XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);
+JAXGPU_NORM_TARGETS(JAXGPU_DECLARE_CPU_AND_CUDA)
+#undef JAXGPU_DECLARE_CPU_AND_CUDA
