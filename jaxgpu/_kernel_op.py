@@ -63,12 +63,12 @@ def grouped_call(local_fn: LocalFn, layout: Layout, *args: jax.Array) -> tuple[j
   op = _batchable(local_fn, layout)
   explicit = [_explicit_spec(a) for a in args]
   if not any(any(ax is not None for ax in spec) for spec in explicit):
-    return op(*args)
+    return _match_varying(op(*args), args)
   # Explicit-sharding mode: custom_partitioning knows no sharding types, so the op runs
-  # with the mesh axes switched to Auto and its outputs get the types the plan gives
-  # (row/group sharding kept, replicated factors gathered).
+  # with the mesh axes switched to Auto, and its outputs get the sharding their factors
+  # have in the inputs (a gathered feature axis is split again, as jnp ops keep it).
   plan = _plan(local_fn, layout, args)
-  factor_axes = plan.factor_axes(explicit)
+  factor_axes = plan.factor_axes(explicit, include_replicated=True)
   out_specs = tuple(PartitionSpec(*(factor_axes.get(f) for f in fs)) for fs in plan.out_factors)
   return jax.sharding.auto_axes(op, out_sharding=out_specs)(*args)
 
@@ -78,6 +78,64 @@ def _explicit_spec(a) -> tuple:
   sharding = getattr(jax.typeof(a), "sharding", None)
   spec = tuple(getattr(sharding, "spec", ()) or ())
   return spec + (None,) * (a.ndim - len(spec))
+
+
+def _match_varying(outs, args):
+  """Inside shard_map, FFI results are typed invariant across the manual axes; a result
+  computed from varying inputs is varying (else out_specs=P() would silently return one
+  shard, and custom_vjp would reject cotangents whose type differs from the primal's)."""
+  vma = frozenset().union(*(_varying_axes(a) for a in args))
+  if not vma:
+    return outs
+  fixed = []
+  for o in outs:
+    missing = tuple(sorted(vma - _varying_axes(o)))
+    fixed.append(jax.lax.pcast(o, missing, to="varying") if missing else o)
+  return tuple(fixed)
+
+
+def _varying_axes(a) -> frozenset:
+  """Manual mesh axes `a` varies over inside shard_map (jax 0.10: manual_axis_type.varying;
+  older spelling: vma)."""
+  aval = jax.typeof(a)
+  manual = getattr(aval, "manual_axis_type", None)
+  if manual is not None:
+    return frozenset(manual.varying)
+  return frozenset(getattr(aval, "vma", ()))
+
+
+def _in_explicit_mode(a) -> bool:
+  mesh = getattr(getattr(jax.typeof(a), "sharding", None), "mesh", None)
+  types = getattr(mesh, "axis_types", ()) or ()
+  return any(t == jax.sharding.AxisType.Explicit for t in types)
+
+
+def primal_types(*arrays) -> tuple:
+  """Hashable record of what custom_vjp checks a cotangent against: each array's
+  Explicit-mesh sharding (None off an Explicit mesh) and the manual axes it varies over
+  inside shard_map. For `match_primal_types` in the bwd rule (None for absent arrays)."""
+  return tuple(None if a is None else
+               (PartitionSpec(*_explicit_spec(a)) if _in_explicit_mode(a) else None,
+                _varying_axes(a))
+               for a in arrays)
+
+
+def match_primal_types(values, types):
+  """Gives each cotangent its primal's type. A kernel's outputs follow the kernel's own
+  sharding rule (reshard to the primal's Explicit sharding), and a per-shard weight
+  gradient inside shard_map varies over axes its weight does not: it is summed over them,
+  as JAX's own transpose of the weight's broadcast would."""
+  out = []
+  for v, t in zip(values, types):
+    if v is not None and t is not None:
+      spec, varying = t
+      extra = tuple(sorted(_varying_axes(v) - varying))
+      if extra:
+        v = jax.lax.psum(v, extra)
+      if spec is not None:
+        v = jax.sharding.reshard(v, spec)
+    out.append(v)
+  return tuple(out)
 
 
 def _batchable(local_fn: LocalFn, layout: Layout):
@@ -160,14 +218,15 @@ class _Plan:
     outs = ", ".join(" ".join(f) for f in self.out_factors)
     return f"{ins} -> {outs}"
 
-  def factor_axes(self, in_specs) -> dict[str, object]:
-    """Mesh axes each factor keeps: the first input's sharding wins, replicated factors and
-    size-1 group axes get none, and no mesh axis is used twice."""
+  def factor_axes(self, in_specs, include_replicated=False) -> dict[str, object]:
+    """Mesh axes each factor keeps: the first input's sharding wins, replicated factors
+    (unless asked for) and size-1 group axes get none, and no mesh axis is used twice."""
     factor_axes: dict[str, object] = {}
     used: set[str] = set()
     for factors, spec in zip(self.in_factors, in_specs):
       for f, ax in zip(factors, spec):
-        if ax is None or f in self.replicated or f.startswith("one") or f in factor_axes:
+        if (ax is None or (f in self.replicated and not include_replicated)
+            or f.startswith("one") or f in factor_axes):
           continue
         axes = set(ax) if isinstance(ax, tuple) else {ax}
         if axes & used:

@@ -1,5 +1,6 @@
-// Straightforward CPU normalization: float32 statistics (two-pass over the row, exact
-// centering for layer norm), output rounded once to the storage type. Weight/bias
+// Straightforward CPU normalization: statistics accumulated in float64 (a sequential
+// float32 sum over a 65536-wide row was ~100 ulps off, past the reference's error) and
+// two-pass (exact centering for layer norm), output rounded once to the storage type. Weight/bias
 // gradients are summed over rows in float64 in row order, so they are deterministic and
 // their rounding error does not grow with the number of rows. Rows are converted to
 // float32 once (one dtype switch per row), then processed by plain float loops.
@@ -44,13 +45,13 @@ void NormFwd(const NormFwdParams& p) {
       }
       float mean = 0.f;
       if (p.kind == NormKind::kLayer) {
-        float s = 0.f;
+        double s = 0.0;
         for (int64_t i = 0; i < D; ++i) s += h[i];
-        mean = s / float(D);
+        mean = float(s / double(D));
       }
-      float ss = 0.f;
-      for (int64_t i = 0; i < D; ++i) ss += (h[i] - mean) * (h[i] - mean);
-      const float rstd = 1.f / std::sqrt(ss / float(D) + p.eps);
+      double ss = 0.0;
+      for (int64_t i = 0; i < D; ++i) ss += double(h[i] - mean) * double(h[i] - mean);
+      const float rstd = float(1.0 / std::sqrt(ss / double(D) + double(p.eps)));
       if (p.mean) p.mean[row] = mean;
       p.rstd[row] = rstd;
       for (int64_t i = 0; i < D; ++i) y[i] = (h[i] - mean) * rstd * w[i] + (p.bias ? b[i] : 0.f);
@@ -75,16 +76,16 @@ void NormBwd(const NormBwdParams& p) {
       LoadFloats(p.xh, p.dtype, base, D, xhat.data());
       // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)), g = dy * (offset + weight);
       // the mean(g) term is layer norm's only.
-      float sum_g = 0.f, sum_g_xhat = 0.f;
+      double sum_g = 0.0, sum_g_xhat = 0.0;
       for (int64_t i = 0; i < D; ++i) {
         xhat[i] = (xhat[i] - mean) * rstd;
         sum_g += dy[i] * w[i];
-        sum_g_xhat += dy[i] * w[i] * xhat[i];
+        sum_g_xhat += double(dy[i] * w[i]) * double(xhat[i]);
       }
       for (int64_t i = 0; i < (p.dweight ? D : 0); ++i) dw[i] += double(dy[i]) * double(xhat[i]);
       for (int64_t i = 0; i < (p.dbias ? D : 0); ++i) db[i] += double(dy[i]);
-      const float mean_g = p.kind == NormKind::kLayer ? sum_g / float(D) : 0.f;
-      const float mean_g_xhat = sum_g_xhat / float(D);
+      const float mean_g = p.kind == NormKind::kLayer ? float(sum_g / double(D)) : 0.f;
+      const float mean_g_xhat = float(sum_g_xhat / double(D));
       for (int64_t i = 0; i < D; ++i) dx[i] = rstd * (dy[i] * w[i] - mean_g - xhat[i] * mean_g_xhat);
       if (p.dh) {
         LoadFloats(p.dh, p.dtype, base, D, dh.data());

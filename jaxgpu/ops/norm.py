@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpu import _checks, _ffi, _implementation
-from jaxgpu._kernel_op import Layout, grouped_call
+from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import norm as reference
 
 _ROWS = "g ... d"       # (G, ...rows, D)
@@ -38,6 +38,7 @@ class _Config:
   has_weight: bool
   has_bias: bool
   has_residual: bool
+  primal_types: tuple = (None,) * 4  # of x, weight, bias, residual (see _kernel_op)
 
   def target(self, pass_: str) -> str:
     return _ffi.target_name(f"jaxgpu_{self.kind}_norm_{pass_}", self.implementation)
@@ -197,7 +198,8 @@ def _norm_bwd(cfg: _Config, saved, cotangent):
   dx = dx[0]
   dweight = None if dw is None else dw[0].astype(weight.dtype)
   dbias = None if db is None else db[0].astype(dx.dtype)
-  return dx, dweight, dbias, (dx if cfg.has_residual else None)
+  return match_primal_types((dx, dweight, dbias, dx if cfg.has_residual else None),
+                            cfg.primal_types)
 
 
 _norm.defvjp(_norm_fwd, _norm_bwd)
@@ -262,7 +264,8 @@ def rms_norm(x, weight=None, *, residual=None, eps=1e-6, weight_offset=0.0,
   impl = _implementation.resolve(implementation)
   if impl == "xla" or x.size == 0:
     return reference.rms_norm(x, weight, residual=residual, eps=eps, weight_offset=weight_offset)
-  cfg = _Config("rms", eps, weight_offset, impl, weight is not None, False, residual is not None)
+  cfg = _Config("rms", eps, weight_offset, impl, weight is not None, False, residual is not None,
+                primal_types(x, weight, None, residual))
   return _norm(cfg, x, weight, None, residual)
 
 
@@ -294,5 +297,5 @@ def layer_norm(x, weight=None, bias=None, *, residual=None, eps=1e-5, implementa
   if impl == "xla" or x.size == 0:
     return reference.layer_norm(x, weight, bias, residual=residual, eps=eps)
   cfg = _Config("layer", eps, 0.0, impl, weight is not None, bias is not None,
-                residual is not None)
+                residual is not None, primal_types(x, weight, bias, residual))
   return _norm(cfg, x, weight, bias, residual)
