@@ -1,7 +1,7 @@
 // nanobind module _jaxgpu_cuda: registrations() -> {FFI target name: handler capsule}, for
 // platform "CUDA". Imported by jaxgpu/_ffi.py only when JAX has a CUDA backend.
 #include "common/module.h"
-#include "norm/norm_targets.h"
+#include "jaxgpu_all_targets.h"
 
 #ifndef JAXGPU_CUDA_ARCHS
 #define JAXGPU_CUDA_ARCHS "unknown"
@@ -11,7 +11,7 @@ NB_MODULE(_jaxgpu_cuda, m) {
   m.def("registrations", []() {
     nanobind::dict d;
 #define JAXGPU_ADD(name, stem) d[name] = jaxgpu::HandlerCapsule(stem##Cuda);
-    JAXGPU_NORM_TARGETS(JAXGPU_ADD)
+    JAXGPU_ALL_TARGETS(JAXGPU_ADD)
 #undef JAXGPU_ADD
     return d;
   });
