@@ -84,14 +84,21 @@ if want test || want gputest; then
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; note "TESTS FAILED: pytest $* (rc $rc)"; fi
   }
   run_pytest -m gpu -x -q -rs
-  if want test; then run_pytest -q -rs --durations=10; fi
+  # Everything else (the CPU-mesh sharding tests, the 'cpu' and 'xla' implementations) in a
+  # CPU-only process, as CI runs it, on this machine's jax: with the GPU as default backend,
+  # jax 0.11.2 left a "Sharding" custom call unpartitioned in jit programs over the 8 fake
+  # CPU devices ("No registered implementation ... Sharding for Host").
+  if want test; then JAX_PLATFORMS=cpu run_pytest -m "not gpu" -q -rs --durations=10; fi
 fi
 
 if want bench; then
   note "bench -> $OUT/bench.log"
-  # shellcheck disable=SC2086
-  python3 benchmarks/bench_norm.py --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log" \
-    || { status=1; note "BENCH FAILED"; }
+  : > "$OUT/bench.log"
+  for bench in ${BENCHES:-benchmarks/bench_*.py}; do
+    # shellcheck disable=SC2086
+    python3 "$bench" --out "$OUT" ${BENCH_ARGS:-} 2>&1 | tee -a "$OUT/bench.log" \
+      || { status=1; note "BENCH FAILED: $bench"; }
+  done
 fi
 
 note "done (status $status); files in $OUT:"
