@@ -18,9 +18,9 @@
 #include "norm/norm_cuda.h"
 
 #include <algorithm>
+#include <array>
 #include <cstdio>
 #include <cstdlib>
-#include <utility>
 
 #include "common/cuda_utils.cuh"
 
@@ -466,10 +466,10 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
 }
 
 // Staged backward pass (rows of whole 16-byte vectors): dy and xh (and dh) of the next
-// row of a slot are cp.async'ed into the second of two shared-memory stages while the
-// current row is processed, so loads stay in flight across the row's reduction and
-// stores. Registers hold only the dweight/dbias accumulators and the weights.
-template <typename T, int VEC, int VPT, bool kLayer>
+// kStages - 1 rows of a slot are cp.async'ed into shared-memory stages while the current
+// row is processed, so loads stay in flight across the row's reduction and stores.
+// Registers hold only the dweight/dbias accumulators and the weights.
+template <typename T, int VEC, int VPT, bool kLayer, int kStages>
 __global__ void __launch_bounds__(kRegsMaxThreads)
     NormBwdStaged(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw, float* ws_db) {
   extern __shared__ __align__(16) unsigned char staged[];
@@ -493,7 +493,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
     const int64_t r = it * slots + slot;
     if (has_slot && it < iters && r < R) {
       const int64_t base = (group * R + r) * p.dim;
-      T* dst = mine + (it & 1) * stage_elems;
+      T* dst = mine + (it % kStages) * stage_elems;
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int col = (int(threadIdx.x) + k * tpr) * VEC;
@@ -507,16 +507,16 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
     CpAsyncCommit();
   };
 
-  issue(0);
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
   for (int64_t it = 0; it < iters; ++it) {
-    issue(it + 1);
-    CpAsyncWait<1>();  // this thread's copies of row `it` have landed
+    issue(it + kStages - 1);
+    CpAsyncWait<kStages - 1>();  // this thread's copies of row `it` have landed
     const int64_t r = it * slots + slot;
     const bool valid = has_slot && r < R;
     const int64_t row = group * R + r;
     const float rstd = valid ? p.rstd[row] : 0.f;
     const float mean = (kLayer && valid) ? p.mean[row] : 0.f;
-    const T* cur = mine + (it & 1) * stage_elems;
+    const T* cur = mine + (it % kStages) * stage_elems;
 
     float sums[2] = {0.f, 0.f};
 #pragma unroll
@@ -647,17 +647,21 @@ constexpr int kFwdRegsMaxVpt = 4;
 constexpr int kBwdRegsMaxVpt = 2;
 constexpr int kBwdStagedMaxVpt = 4;
 
-// Developer knob for tuning runs (benchmarks/, not for users): JAXGPU_NORM_TUNE="a,b"
-// overrides the target vectors per thread of the forward (a) and backward (b) passes.
-int TunedVpt(int which, int fallback) {
-  static const std::pair<int, int> tuned = [] {
-    std::pair<int, int> t{0, 0};
-    if (const char* env = std::getenv("JAXGPU_NORM_TUNE")) std::sscanf(env, "%d,%d", &t.first, &t.second);
+// Developer knob for tuning runs (benchmarks/, not for users): JAXGPU_NORM_TUNE="a,b,c"
+// overrides the target vectors per thread of the forward (a) and backward (b) passes and
+// the backward pipeline's stages (c); 0 or absent keeps the default.
+int Tuned(int which, int fallback) {
+  static const std::array<int, 3> tuned = [] {
+    std::array<int, 3> t{0, 0, 0};
+    if (const char* env = std::getenv("JAXGPU_NORM_TUNE")) {
+      std::sscanf(env, "%d,%d,%d", &t[0], &t[1], &t[2]);
+    }
     return t;
   }();
-  const int v = which == 0 ? tuned.first : tuned.second;
-  return v > 0 ? v : fallback;
+  return tuned[which] > 0 ? tuned[which] : fallback;
 }
+int TunedVpt(int which, int fallback) { return Tuned(which, fallback); }
+int TunedStages() { return Tuned(2, 2) == 3 ? 3 : 2; }
 
 // Dynamic shared memory a block may opt into (227 KiB on H100), less the static scratch.
 int64_t MaxStagedBytes() {
@@ -691,10 +695,12 @@ BwdLaunch SelectBwd(const NormBwdParams& p) {
         // forward+backward at 16384 x 8192 on the H100, against 0.55 ms at 2 (512 threads).
         const RowConfig c = ChooseRowConfig(p.dim, p.dtype, TunedVpt(1, 4), kBwdStagedMaxVpt,
                                             kRegsMaxThreads);
-        const int64_t smem = 2 * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
+        const int stages = TunedStages();
+        const int64_t smem = stages * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
         if (!c.loop && smem <= MaxStagedBytes()) {
           return JAXGPU_VPT_SWITCH_UPTO4(c.vpt, VPT, [&]() -> BwdLaunch {
-            return {NormBwdStaged<T, kFull, VPT, kLayer>, c, smem};
+            if (stages == 3) return {NormBwdStaged<T, kFull, VPT, kLayer, 3>, c, smem};
+            return {NormBwdStaged<T, kFull, VPT, kLayer, 2>, c, smem};
           });
         }
       }
