@@ -84,11 +84,7 @@ if want test || want gputest; then
     if [ $rc -ne 0 ] && [ $rc -ne 5 ]; then status=1; note "TESTS FAILED: pytest $* (rc $rc)"; fi
   }
   run_pytest -m gpu -x -q -rs
-  # Everything else (the CPU-mesh sharding tests, the 'cpu' and 'xla' implementations) in a
-  # CPU-only process, as CI runs it, on this machine's jax: with the GPU as default backend,
-  # jax 0.11.2 left a "Sharding" custom call unpartitioned in jit programs over the 8 fake
-  # CPU devices ("No registered implementation ... Sharding for Host").
-  if want test; then JAX_PLATFORMS=cpu run_pytest -m "not gpu" -q -rs --durations=10; fi
+  if want test; then run_pytest -q -rs --durations=10; fi
 fi
 
 if want bench; then

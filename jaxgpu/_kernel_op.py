@@ -285,9 +285,17 @@ def _partitioned(local_fn: LocalFn, layout: Layout, args):
   def partition(mesh, arg_shapes, result_shape):
     arg_shardings, out_shardings, reduce_axes = plan.decide(mesh, arg_shapes)
 
+    # The per-shard body is traced when XLA partitions, under the caller's mesh context:
+    # with an Explicit mesh set (jax.set_mesh) its ops got sharding annotations that nothing
+    # partitions afterwards (jax 0.11.2: "No registered implementation for untyped custom
+    # call to Sharding"). Trace it with every axis Auto.
+    auto = mesh.abstract_mesh.update_axis_types(
+        {name: jax.sharding.AxisType.Auto for name in mesh.axis_names})
+
     def lower_fn(*xs):
-      outs = local_fn(*xs)
-      return tuple(jax.lax.psum(o, axes) if axes else o for o, axes in zip(outs, reduce_axes))
+      with jax.sharding.use_abstract_mesh(auto):
+        outs = local_fn(*xs)
+        return tuple(jax.lax.psum(o, axes) if axes else o for o, axes in zip(outs, reduce_axes))
 
     return mesh, lower_fn, out_shardings, arg_shardings
 
