@@ -21,6 +21,7 @@
 #include "rope/rope_cuda.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <cstring>
 #include <type_traits>
 
@@ -39,6 +40,7 @@ struct RopeGrid {
   // inv_freq_{i0 + j} = inv_freq_{i0} * freq_step[j] (= theta^(-2j/r), from the host):
   // one double exp2 per lane instead of one per frequency.
   double freq_step[kMaxFreqsPerLane];
+  double log2_freq_step;     // -2 log2(theta) / r: inv_freq_i = 2^(i * log2_freq_step)
   int64_t units;             // tokens * head_groups
   int64_t rows_per_pos_row;  // rows / pos_rows
   int lanes;                 // 16-byte columns per head row: rotating, then copying
@@ -54,7 +56,7 @@ __device__ __forceinline__ void Angles(const RopeParams& p, const RopeGrid& g, i
   const float sign = p.inverse ? -1.f : 1.f;
   // position is exact in double and inv_freq within an ulp; the product and each step
   // add one rounding: ~1e-16 relative, 1e-10 rad at position 10^6.
-  const double base = double(position) * rope::InvFreq(i0, p.rotary_dim, p.log2_theta);
+  const double base = double(position) * exp2(double(i0) * g.log2_freq_step);
 #pragma unroll
   for (int j = 0; j < NF; ++j) {
     double reduced;
@@ -275,23 +277,30 @@ using Kernel = void (*)(RopeParams, RopeGrid);
 
 // The widest vector (up to 16 bytes) that every rotated pair and copied column fits in
 // whole: it must divide dim (aligned head rows) and r/2 (half layout: the partner vector
-// starts r/2 later) or r (interleaved: pairs never straddle vectors; at least 2).
+// starts r/2 later) or r (interleaved: pairs never straddle vectors; at least 2), and x
+// and y must be aligned to it (XLA's buffers are; a misaligned one gets narrower
+// vectors rather than a fault). 0: none fits.
 template <typename T>
 int ChooseVec(const RopeParams& p) {
   const int64_t need = p.interleaved ? p.rotary_dim : p.rotary_dim / 2;
   const int min_vec = p.interleaved ? 2 : 1;
+  const uintptr_t addr = reinterpret_cast<uintptr_t>(p.x) | reinterpret_cast<uintptr_t>(p.y);
   int v = static_cast<int>(16 / sizeof(T));
-  while (v > min_vec && (p.dim % v != 0 || need % v != 0)) v /= 2;
-  return v;
+  while (v > min_vec && (p.dim % v != 0 || need % v != 0 || addr % (v * sizeof(T)) != 0)) v /= 2;
+  return addr % (v * sizeof(T)) == 0 ? v : 0;
 }
 
 // Heads each thread walks through (reusing its angles), unless p.heads_per_thread says.
-// Few heads per thread recompute angles more often (double exp2 + reduction + sincosf
-// per frequency); many make threads long-lived, so the last wave of blocks drains
-// slowly. 8 is one angle per 16 rotated bf16 elements at head_dim 128.
+// Few heads per thread recompute angles more often (a double exp2 per lane, then a
+// double product, reduction and float32 polynomial per frequency: ~150 double and ~100
+// float/int instructions per bf16 lane of 8 frequencies); many make threads long-lived,
+// so the last wave of blocks drains slowly. 8 heads: one angle per 16 rotated elements.
 constexpr int kDefaultHeadsPerThread = 8;
 // Heads whose loads a thread issues at once: 4 heads of a half-layout bf16 lane are
 // 8 x 16 B = 128 B in flight per thread (the norm kernels needed ~64-128 B a thread).
+// ptxas (sm_90, no spills): half-layout bf16 100 registers at 4 (2 blocks of 256 per SM,
+// ~64 KiB of loads in flight per SM), 64 at 2, 137 at 8; interleaved 52 at 4. Capping
+// the 4-head kernel at 64 or 80 registers (__launch_bounds__ min blocks) spilled.
 constexpr int kDefaultUnroll = 4;
 
 #define JAXGPU_ROPE_UNROLL_SWITCH(unroll, U, ...)                  \
@@ -334,9 +343,11 @@ cudaError_t LaunchRope(const RopeParams& p, cudaStream_t stream) {
   int vec = 1;
   JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
     vec = ChooseVec<T>(p);
+    if (vec == 0) return;
     const int unroll = p.unroll > 0 ? p.unroll : kDefaultUnroll;
     kernel = p.interleaved ? SelectKernel<T, true>(vec, unroll) : SelectKernel<T, false>(vec, unroll);
   });
+  if (vec == 0) return cudaErrorMisalignedAddress;
   if (kernel == nullptr) return cudaErrorInvalidValue;
 
   RopeGrid g{};
@@ -351,6 +362,7 @@ cudaError_t LaunchRope(const RopeParams& p, cudaStream_t stream) {
   for (int j = 0; j < kMaxFreqsPerLane; ++j) {
     g.freq_step[j] = p.rotary_dim > 0 ? rope::InvFreq(j, p.rotary_dim, p.log2_theta) : 1.0;
   }
+  g.log2_freq_step = p.rotary_dim > 0 ? -2.0 * p.log2_theta / double(p.rotary_dim) : 0.0;
 
   const int lanes_per_block = std::min(g.lanes, kBlockThreads);
   const int units_per_block = kBlockThreads / lanes_per_block;
