@@ -68,10 +68,10 @@ __device__ __forceinline__ void Angles(const RopeParams& p, const RopeGrid& g, i
   }
 }
 
-// VEC elements of T as raw bits. Whole 32-bit words when they fill them: 2-byte
-// elements held as 16-bit registers (what a Vec<__nv_bfloat16, 8> becomes) took a full
-// register each, and the unroll-4 bf16 kernel needed 125 registers; as words it needs
-// about half. Sub-word columns (VEC = 1 of a 2-byte type: odd shapes) stay scalar.
+// VEC elements of T as raw bits: whole 32-bit words when they fill them. A
+// Vec<__nv_bfloat16, 8> is unpacked into eight 16-bit values, each taking a full register
+// until used; as words, 4 heads' worth of half-layout loads is 32 registers. Sub-word
+// columns (VEC = 1 of a 2-byte type: odd shapes) stay scalar.
 template <typename T, int VEC>
 struct Raw {
   static constexpr int kBytes = VEC * int(sizeof(T));
@@ -178,43 +178,49 @@ __device__ __forceinline__ Raw<T, VEC> FloatsToRaw(const float (&f)[VEC]) {
   return r;
 }
 
-// kHeads consecutive heads of one column, all loads issued before any store.
-// Half layout: the pairs are (element j of the vector at col, element j of the vector at
-// col + partner); interleaved: (elements 2j and 2j + 1 of the vector at col).
+// kHeads consecutive heads of one column: Load issues all their loads, Rotate converts,
+// rotates and stores. Half layout: the pairs are (element j of the vector at col, element
+// j of the vector at col + partner); interleaved: (elements 2j, 2j + 1 of the vector).
 template <typename T, int VEC, bool kInterleaved, int kHeads>
-__device__ __forceinline__ void RotateHeads(const T* __restrict__ x, T* __restrict__ y, int at,
-                                            int partner, int H, const float* s, const float* c) {
-  constexpr int kLoads = kInterleaved ? 1 : 2;
+struct HeadBatch {
+  static constexpr int kLoads = kInterleaved ? 1 : 2;
   Raw<T, VEC> v[kHeads][kLoads];
+
+  __device__ __forceinline__ void Load(const T* __restrict__ x, int at, int partner, int H) {
 #pragma unroll
-  for (int u = 0; u < kHeads; ++u) {
-    v[u][0] = LoadRaw<T, VEC>(x + at + u * H);
-    if constexpr (!kInterleaved) v[u][1] = LoadRaw<T, VEC>(x + at + u * H + partner);
-  }
-#pragma unroll
-  for (int u = 0; u < kHeads; ++u) {
-    float a[VEC], o[VEC];
-    RawToFloats<T, VEC>(v[u][0], a);
-    if constexpr (kInterleaved) {
-#pragma unroll
-      for (int j = 0; j < VEC / 2; ++j) {
-        o[2 * j] = a[2 * j] * c[j] - a[2 * j + 1] * s[j];
-        o[2 * j + 1] = a[2 * j + 1] * c[j] + a[2 * j] * s[j];
-      }
-      StoreRaw<T, VEC>(y + at + u * H, FloatsToRaw<T, VEC>(o));
-    } else {
-      float b[VEC], ob[VEC];
-      RawToFloats<T, VEC>(v[u][1], b);
-#pragma unroll
-      for (int j = 0; j < VEC; ++j) {
-        o[j] = a[j] * c[j] - b[j] * s[j];
-        ob[j] = b[j] * c[j] + a[j] * s[j];
-      }
-      StoreRaw<T, VEC>(y + at + u * H, FloatsToRaw<T, VEC>(o));
-      StoreRaw<T, VEC>(y + at + u * H + partner, FloatsToRaw<T, VEC>(ob));
+    for (int u = 0; u < kHeads; ++u) {
+      v[u][0] = LoadRaw<T, VEC>(x + at + u * H);
+      if constexpr (!kInterleaved) v[u][1] = LoadRaw<T, VEC>(x + at + u * H + partner);
     }
   }
-}
+
+  __device__ __forceinline__ void Rotate(T* __restrict__ y, int at, int partner, int H,
+                                         const float* s, const float* c) const {
+#pragma unroll
+    for (int u = 0; u < kHeads; ++u) {
+      float a[VEC], o[VEC];
+      RawToFloats<T, VEC>(v[u][0], a);
+      if constexpr (kInterleaved) {
+#pragma unroll
+        for (int j = 0; j < VEC / 2; ++j) {
+          o[2 * j] = a[2 * j] * c[j] - a[2 * j + 1] * s[j];
+          o[2 * j + 1] = a[2 * j + 1] * c[j] + a[2 * j] * s[j];
+        }
+        StoreRaw<T, VEC>(y + at + u * H, FloatsToRaw<T, VEC>(o));
+      } else {
+        float b[VEC], ob[VEC];
+        RawToFloats<T, VEC>(v[u][1], b);
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) {
+          o[j] = a[j] * c[j] - b[j] * s[j];
+          ob[j] = b[j] * c[j] + a[j] * s[j];
+        }
+        StoreRaw<T, VEC>(y + at + u * H, FloatsToRaw<T, VEC>(o));
+        StoreRaw<T, VEC>(y + at + u * H + partner, FloatsToRaw<T, VEC>(ob));
+      }
+    }
+  }
+};
 
 template <typename T, int VEC, int kHeads>
 __device__ __forceinline__ void CopyHeads(const T* __restrict__ x, T* __restrict__ y, int at,
@@ -250,8 +256,9 @@ __global__ void __launch_bounds__(kBlockThreads) RopeKernel(const RopeParams p, 
   constexpr int NF = kInterleaved ? VEC / 2 : VEC;  // frequencies per lane
 #pragma unroll 1
   for (int lane = threadIdx.x; lane < g.lanes; lane += blockDim.x) {
-    // Whole groups of kUnroll heads without predicates, then the rest one at a time
-    // (guarded loads left the unroll-4 bf16 kernel at ~100 registers).
+    // Whole groups of kUnroll heads without predicates, then the rest one at a time, no
+    // further unrolling: guarded loads, and nvcc unrolling these loops again, had the
+    // 4-head bf16 kernel at 117-128 registers (100 now).
     int h = h_begin;
     if (lane >= g.rot_lanes) {
       const int col = r + (lane - g.rot_lanes) * VEC;
@@ -261,15 +268,31 @@ __global__ void __launch_bounds__(kBlockThreads) RopeKernel(const RopeParams p, 
       for (; h < h_end; ++h) CopyHeads<T, VEC, 1>(x, y, h * H + col, H);
       continue;
     }
+    // The first batch's loads go out before the angles are computed (they do not need
+    // them), so a thread has bytes in flight from its start, not after ~250 instructions.
+    const int col = lane * VEC, partner = r / 2;
     float s[NF], c[NF];
-    Angles<NF>(p, g, position, lane * NF, s, c);
-    const int col = lane * VEC;
-#pragma unroll 1
-    for (; h + kUnroll <= h_end; h += kUnroll) {
-      RotateHeads<T, VEC, kInterleaved, kUnroll>(x, y, h * H + col, r / 2, H, s, c);
+    if (h + kUnroll <= h_end) {
+      HeadBatch<T, VEC, kInterleaved, kUnroll> first;
+      first.Load(x, h * H + col, partner, H);
+      Angles<NF>(p, g, position, lane * NF, s, c);
+      first.Rotate(y, h * H + col, partner, H, s, c);
+      h += kUnroll;
+    } else {
+      Angles<NF>(p, g, position, lane * NF, s, c);
     }
 #pragma unroll 1
-    for (; h < h_end; ++h) RotateHeads<T, VEC, kInterleaved, 1>(x, y, h * H + col, r / 2, H, s, c);
+    for (; h + kUnroll <= h_end; h += kUnroll) {
+      HeadBatch<T, VEC, kInterleaved, kUnroll> batch;
+      batch.Load(x, h * H + col, partner, H);
+      batch.Rotate(y, h * H + col, partner, H, s, c);
+    }
+#pragma unroll 1
+    for (; h < h_end; ++h) {
+      HeadBatch<T, VEC, kInterleaved, 1> one;
+      one.Load(x, h * H + col, partner, H);
+      one.Rotate(y, h * H + col, partner, H, s, c);
+    }
   }
 }
 

@@ -143,17 +143,15 @@ def _check(op, x, positions, theta, layout, rotary_dim):
   theta = _checks.positive_finite(op, "theta", theta)
   if not isinstance(layout, str) or layout not in LAYOUTS:
     raise ValueError(f"{op}: layout must be one of {LAYOUTS}, got {layout!r}")
+  if dim % 2:
+    raise ValueError(f"{op}: x's last dim (H = {dim}) must be even (it holds pairs; the "
+                     f"kernels need whole pairs per head row)")
   if rotary_dim is None:
-    if dim % 2:
-      raise ValueError(f"{op}: x's last dim (H = {dim}) must be even: it holds pairs "
-                       f"(or pass an even rotary_dim < H)")
     r = dim
   else:
     r = _static_int(op, "rotary_dim", rotary_dim)
     if r <= 0 or r % 2 or r > dim:
       raise ValueError(f"{op}: rotary_dim must be even and in [2, H = {dim}], got {r}")
-    if dim % 2:
-      raise ValueError(f"{op}: x's last dim (H = {dim}) must be even")
   return x, positions, theta, r, tuple(positions.shape) == shared and per_token != shared
 
 
