@@ -5,14 +5,16 @@
 // is hopeless at long context: inv_freq_0 = 1 and a position of 10^6 give an angle whose
 // float32 rounding alone is up to 0.03 rad (half an ulp of 10^6, 2^-4), and the float32
 // rounding of inv_freq adds up to 0.06 more. So the angle is formed in double precision
-// (53 bits: at |position| <= 10^6 the product is exact to ~1e-10 rad, at 2^31 to ~2e-7),
+// (53 bits: with inv_freq's own double rounding, the angle is exact to ~1e-10 rad at
+// |position| <= 10^6, < 2e-9 up to 2^24, and ~1e-6 at worst near 2^31),
 // reduced to k * pi/2 + r with |r| <= pi/4 in double (pi/2 as two doubles, fma: r is
 // exact to ~1e-16 + |k| * 1e-33), and only r goes to float32: its rounding is at most
 // 2^-25 rad, and sin/cos of it in float32 are within ~1 ulp. The quadrant k mod 4 swaps
 // and negates sin and cos exactly.
 //
-// Cost: one double exp2 per frequency and a handful of double operations per angle; the
-// kernels compute each angle once per (token, frequency) and reuse it for every head.
+// Cost: a double exp2 per frequency (the CUDA kernels: one per 16-byte lane, then a
+// product per frequency) and a handful of double operations per angle, computed once
+// per (token, frequency) a thread owns and reused for every head it walks through.
 #pragma once
 
 #include <cmath>
