@@ -1,0 +1,36 @@
+// CUDA FFI handlers of the RoPE family: validate, then launch rope_kernels.cu on XLA's
+// stream. No syncs, no allocation: safe to capture in CUDA graphs (kCmdBufferCompatible).
+#include <string>
+
+#include "rope/rope_cuda.h"
+#include "rope/rope_handlers.h"
+#include "rope/rope_targets.h"
+
+namespace jaxgpu {
+namespace {
+
+template <bool kInverse>
+ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer positions,
+                    ffi::Result<ffi::AnyBuffer> y, double theta, int32_t rotary_dim,
+                    bool interleaved, int32_t heads_per_thread, int32_t unroll) {
+  RopeParams p;
+  JAXGPU_RETURN_IF_ERROR(MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved,
+                                        heads_per_thread, unroll, kInverse, &p));
+  const cudaError_t err = cuda::LaunchRope(p, stream);
+  if (err == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("rope launch: ") + cudaGetErrorString(err));
+}
+
+}  // namespace
+}  // namespace jaxgpu
+
+namespace xffi = xla::ffi;
+
+#define JAXGPU_ROPE_CUDA_BIND() xffi::Ffi::Bind().Ctx<xffi::PlatformStream<cudaStream_t>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuRopeFwdCuda, jaxgpu::RopeCuda<false>,
+                              JAXGPU_ROPE_BINDING(JAXGPU_ROPE_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuRopeBwdCuda, jaxgpu::RopeCuda<true>,
+                              JAXGPU_ROPE_BINDING(JAXGPU_ROPE_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});
