@@ -741,6 +741,48 @@ def test_cuda_without_gpu():
     jaxgpu.swiglu(_X(), _X(), implementation="cuda")
 
 
+def _raw_call(target, outs, *args, **attrs):
+  """The FFI target called directly, bypassing the Python checks."""
+  from jaxgpu import _ffi
+  _ffi.registered_targets()
+  return jax.jit(lambda *a: jax.ffi.ffi_call(target, outs)(*a, **attrs))(*args)
+
+
+RAW_BAD = [
+    # (id, target stem, outputs, inputs, attrs, message pattern)
+    ("up-count", "swiglu_fwd", [((4, 5), jnp.float32)], [((4, 5), jnp.float32),
+                                                         ((4, 6), jnp.float32)], {}, "up"),
+    ("up-shape", "swiglu_fwd", [((4, 5), jnp.float32)], [((4, 5), jnp.float32),
+                                                         ((5, 4), jnp.float32)], {}, "up"),
+    ("up-dtype", "geglu_fwd", [((4, 5), jnp.float32)], [((4, 5), jnp.float32),
+                                                        ((4, 5), jnp.float16)],
+     {"approximate": True}, "up"),
+    ("y-dtype", "relu_fwd", [((4, 5), jnp.bfloat16)], [((4, 5), jnp.float32)], {}, r"\by\b"),
+    ("y-count", "sigmoid_fwd", [((4, 6), jnp.float32)], [((4, 5), jnp.float32)], {}, r"\by\b"),
+    ("x-int32", "silu_fwd", [((4, 5), jnp.int32)], [((4, 5), jnp.int32)], {}, "dtype"),
+    ("dy-count", "gelu_bwd", [((4, 5), jnp.float32)], [((4, 5), jnp.float32),
+                                                       ((4, 4), jnp.float32)],
+     {"approximate": False}, "dy"),
+    ("dup-count", "swiglu_bwd", [((4, 5), jnp.float32), ((4, 4), jnp.float32)],
+     [((4, 5), jnp.float32)] * 3, {}, "dup"),
+]
+
+
+@pytest.mark.parametrize("stem,outs,ins,attrs,match", [b[1:] for b in RAW_BAD],
+                         ids=[b[0] for b in RAW_BAD])
+def test_handler_rejects_bad_buffers(stem, outs, ins, attrs, match, implementation):
+  """The handlers check every buffer (dtype, shape, element count) and return an error
+  naming it: the last line of defence behind the Python checks, never a crash."""
+  if implementation == "xla":
+    pytest.skip("no handler")
+  out_types = tuple(jax.ShapeDtypeStruct(s, d) for s, d in outs)
+  args = [jnp.ones(s, d) for s, d in ins]
+  with pytest.raises(Exception, match=match) as info:
+    jax.block_until_ready(_raw_call(f"jaxgpu_{stem}_{implementation}", out_types, *args,
+                                    **attrs))
+  assert "INVALID_ARGUMENT" in str(info.value) or "InvalidArgument" in str(info.value)
+
+
 # ---- size 0 ---------------------------------------------------------------------------------
 
 

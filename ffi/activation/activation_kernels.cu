@@ -5,18 +5,20 @@
 // Napkin math (H100, bf16 (8192, 28672), N = 470 MB per tensor): swiglu forward moves 3N
 // (read gate, up; write y), ~0.47 ms at the ~3.0 TB/s a device copy reaches; the backward
 // pass moves 5N (read gate, up, dy; write dgate, dup), ~0.78 ms. So the kernels are
-// memory-bound: 16-byte accesses, enough bytes in flight, and little enough arithmetic
-// that it hides under the loads (the erf-form geglu backward is the heaviest: an erff and
-// an expf per element, ~100 instructions of budget per element at 10 bytes an element).
+// memory-bound if the arithmetic hides under the loads: at 3 TB/s the H100's 132 SMs can
+// issue ~60 instructions per element of a 6-byte-per-element pass (bf16 gated forward)
+// and ~100 of a 10-byte one (bf16 gated backward). Counted in PTX per element (sm_90, bf16):
+// swiglu forward 26, backward 35; geglu (tanh) 29 and 44; geglu (erf, the heaviest)
+// 51 and 58.
 //
 // Mapping. The buffers are split into 16-byte vectors (VEC elements). Each thread of a
 // 256-thread block loads U vectors of every input (kIn * U independent 16-byte loads in
-// flight: 4 to 8), then computes and stores them; the vectors of one load instruction are
+// flight: 4 to 6), then computes and stores them; the vectors of one load instruction are
 // contiguous across the warp (512 bytes). A grid-stride loop walks the buffers with a grid
-// of the blocks that fit on the GPU at once (see GridBlocks). The last n % VEC elements of
-// an odd-sized buffer are done by the first threads of the grid, one each. XLA's buffers
-// are at least 16-byte aligned; a buffer that is not (never seen) takes the same kernel
-// with one-element "vectors".
+// of the blocks that fit on the GPU at once (see Launch). The last n % VEC elements of an
+// odd-sized buffer are done by the first threads of the grid, one each. XLA's buffers are
+// aligned (to 16 bytes at least); a buffer that is not takes the same kernel with
+// one-element "vectors".
 #include "activation/activation_cuda.h"
 
 #include <algorithm>
@@ -41,8 +43,9 @@ struct ElemArgs {
 
 // Vectors per thread per loop iteration: at least 4 independent 16-byte loads in flight per
 // thread (one input: 4 vectors; two or three inputs: 2 vectors of each), so that an SM with
-// ~1500 resident threads keeps ~100 KB of loads in flight, well past the ~30 KB per SM that
-// 3 TB/s at ~1.3 us of loaded-HBM latency needs, at low register counts.
+// 1280-1536 resident threads (32-48 registers each, -Xptxas=-v) keeps 80-100 KB of loads in
+// flight, well past the ~30 KB per SM that Little's law asks of 3 TB/s at an (estimated)
+// ~1.3 us of HBM latency under load.
 template <class Op>
 constexpr int Unroll() {
   return Op::kIn == 1 ? 4 : 2;
