@@ -12,6 +12,7 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
+from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
 
@@ -20,7 +21,13 @@ __version__ = "0.1.0"
 __all__ = [
     "IMPLEMENTATIONS",
     "available_implementations",
+    "geglu",
+    "gelu",
     "layer_norm",
+    "relu",
     "rms_norm",
     "rope",
+    "sigmoid",
+    "silu",
+    "swiglu",
 ]
