@@ -12,6 +12,7 @@ import pkgutil
 __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
+from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 
 __version__ = "0.1.0"
@@ -19,6 +20,7 @@ __version__ = "0.1.0"
 __all__ = [
     "IMPLEMENTATIONS",
     "available_implementations",
+    "cross_entropy",
     "layer_norm",
     "rms_norm",
 ]
