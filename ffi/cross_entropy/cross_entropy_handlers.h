@@ -3,10 +3,11 @@
 //
 // FFI contract (targets jaxgpu_cross_entropy_{fwd,bwd}; Python side:
 // jaxgpu/ops/cross_entropy.py):
-//   fwd  args  logits (N, V) f32|bf16|f16, labels (N,) s32
-//        rets  loss (N,) f32, lse (N,) f32
-//   bwd  args  logits (N, V), labels (N,) s32, lse (N,) f32, dloss (N,) f32
-//        rets  dlogits (N, V) in the dtype of logits
+//   fwd  args  logits (..., V) f32|bf16|f16, labels (...) s32
+//        rets  loss (...) f32, lse (...) f32
+//   bwd  args  logits (..., V), labels (...) s32, lse (...) f32, dloss (...) f32
+//        rets  dlogits (..., V) in the dtype of logits
+// Shapes are checked by element count: N = the product of logits' leading dims.
 //   attrs (both)  ignore_index s32, has_ignore bool, label_smoothing f32 in [0, 1),
 //                 softcap f32 (0: none; else positive and finite)
 #pragma once
@@ -44,17 +45,23 @@ namespace jaxgpu {
 
 namespace cross_entropy_detail {
 
-// logits must be (N, V) of a float dtype, with V < 2^31 (labels are int32).
+// logits must be (..., V) of a float dtype, with V < 2^30 (the kernels' columns are 32-bit
+// ints); N is the product of the leading dims. Any shape is accepted, not only (N, V), so
+// the Python side never reshapes (a reshape that merges sharded dims is refused under
+// Explicit sharding).
 inline ffi::Error CheckLogits(const ffi::AnyBuffer& logits, DType* dtype, int64_t* rows,
                               int64_t* vocab) {
   auto dims = logits.dimensions();
-  if (dims.size() != 2) return ffi::Error::InvalidArgument("logits: expected rank 2 (N, V)");
+  if (dims.size() < 1) return ffi::Error::InvalidArgument("logits: expected rank >= 1 (..., V)");
   auto t = ToDType(logits.element_type());
   if (!t) return ffi::Error::InvalidArgument("logits: dtype must be float32, bfloat16 or float16");
   *dtype = *t;
-  *rows = dims[0];
-  *vocab = dims[1];
-  if (*vocab > INT32_MAX) return ffi::Error::InvalidArgument("logits: the vocabulary must be < 2^31");
+  *vocab = dims[dims.size() - 1];
+  *rows = 1;
+  for (size_t i = 0; i + 1 < dims.size(); ++i) *rows *= dims[i];
+  if (*vocab >= (int64_t(1) << 30)) {
+    return ffi::Error::InvalidArgument("logits: the vocabulary must be < 2^30");
+  }
   if (*rows > 0 && *vocab < 1) return ffi::Error::InvalidArgument("logits: empty vocabulary");
   return ffi::Error::Success();
 }

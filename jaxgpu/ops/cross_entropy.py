@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
+import numbers
 
 import jax
 import jax.numpy as jnp
@@ -62,15 +63,14 @@ class _Config:
 
 
 def _fwd_call(cfg: _Config, logits, labels):
-  """Grouped (G, ..., V) logits and (G, ...) labels in; per-position (loss, lse) out."""
+  """Grouped (G, ..., V) logits and (G, ...) labels in; per-position (loss, lse) out.
+
+  No reshapes: the handlers take any leading shape (a reshape merging sharded dims is
+  refused under Explicit sharding, where this also runs for eval_shape)."""
 
   def local_fn(logits, labels):
-    vocab = logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
-    stat = jax.ShapeDtypeStruct(rows.shape[:1], jnp.float32)
-    loss, lse = jax.ffi.ffi_call(cfg.target("fwd"), (stat, stat))(
-        rows, labels.reshape(-1), **cfg.attrs())
-    return loss.reshape(labels.shape), lse.reshape(labels.shape)
+    stat = jax.ShapeDtypeStruct(labels.shape, jnp.float32)
+    return tuple(jax.ffi.ffi_call(cfg.target("fwd"), (stat, stat))(logits, labels, **cfg.attrs()))
 
   layout = Layout(inputs=(_LOGITS, _ROW), outputs=(_ROW, _ROW))
   return grouped_call(local_fn, layout, logits, labels)
@@ -80,11 +80,9 @@ def _bwd_call(cfg: _Config, logits, labels, lse, dloss):
   """Grouped arrays in; dlogits (G, ..., V) in the logits' dtype out."""
 
   def local_fn(logits, labels, lse, dloss):
-    vocab = logits.shape[-1]
-    rows = logits.reshape(-1, vocab)
-    (dlogits,) = jax.ffi.ffi_call(cfg.target("bwd"), (jax.ShapeDtypeStruct(rows.shape, rows.dtype),))(
-        rows, labels.reshape(-1), lse.reshape(-1), dloss.reshape(-1), **cfg.attrs())
-    return (dlogits.reshape(logits.shape),)
+    out = jax.ShapeDtypeStruct(logits.shape, logits.dtype)
+    return tuple(jax.ffi.ffi_call(cfg.target("bwd"), (out,))(logits, labels, lse, dloss,
+                                                             **cfg.attrs()))
 
   layout = Layout(inputs=(_LOGITS, _ROW, _ROW, _ROW), outputs=(_LOGITS,))
   (dlogits,) = grouped_call(local_fn, layout, logits, labels, lse, dloss)
@@ -121,12 +119,9 @@ _losses.defvjp(_losses_fwd, _losses_bwd)
 def _static_number(op: str, name: str, value) -> float:
   if isinstance(value, jax.core.Tracer):
     raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
-  if isinstance(value, bool):
-    raise TypeError(f"{op}: {name} must be a number, got bool")
-  try:
-    return float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+  if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
+  return float(value)
 
 
 def _check_labels_in_range(op: str, labels, vocab: int, ignore_index) -> None:

@@ -16,6 +16,24 @@ import jax
 import jax.numpy as jnp
 
 
+def _vocab_sharded_explicitly(z) -> bool:
+  sharding = getattr(jax.typeof(z), "sharding", None)
+  spec = tuple(getattr(sharding, "spec", ()) or ())
+  types = getattr(getattr(sharding, "mesh", None), "axis_types", ()) or ()
+  explicit = any(t == jax.sharding.AxisType.Explicit for t in types)
+  return explicit and len(spec) == z.ndim and spec[-1] is not None
+
+
+def _label_logit(z, labels):
+  """z[..., label]: a gather (optax's take_along_axis), or, when the vocabulary axis is
+  sharded on an Explicit mesh (where the gather's output sharding cannot be resolved),
+  a masked sum over it, which XLA fuses into a reduction."""
+  if _vocab_sharded_explicitly(z):
+    hit = jnp.arange(z.shape[-1]) == labels[..., None]
+    return jnp.sum(jnp.where(hit, z, 0.0), axis=-1)
+  return jnp.take_along_axis(z, labels[..., None], axis=-1)[..., 0]
+
+
 def cross_entropy_rows(logits, labels, *, ignore_index=None, label_smoothing=0.0,
                        logit_softcap=None):
   """Per-position losses, float32, shape labels.shape."""
@@ -26,7 +44,7 @@ def cross_entropy_rows(logits, labels, *, ignore_index=None, label_smoothing=0.0
   lse = jax.nn.logsumexp(z, axis=-1)
   labels = labels.astype(jnp.int32)
   in_range = (labels >= 0) & (labels < vocab)
-  z_label = jnp.take_along_axis(z, jnp.clip(labels, 0, vocab - 1)[..., None], axis=-1)[..., 0]
+  z_label = _label_logit(z, jnp.clip(labels, 0, vocab - 1))
   loss = lse - (1.0 - label_smoothing) * z_label
   if label_smoothing:
     loss = loss - label_smoothing * jnp.mean(z, axis=-1)
