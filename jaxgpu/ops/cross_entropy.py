@@ -169,7 +169,12 @@ def _check(op, logits, labels, ignore_index, label_smoothing, logit_softcap, red
     raise ValueError(f"{op}: reduction must be one of {REDUCTIONS}, got {reduction!r}")
   _check_labels_in_range(op, labels, vocab, ignore_index)
   if labels.dtype != jnp.int32:
-    labels = jnp.asarray(labels).astype(jnp.int32)
+    labels = jnp.asarray(labels)
+    info = jnp.iinfo(labels.dtype)
+    if info.max > 2**31 - 1 or info.min < -2**31:
+      # Clipped, not wrapped: a traced int64 label of 2^32 + 5 must stay out of range.
+      labels = jnp.clip(labels, -2**31, 2**31 - 1)
+    labels = labels.astype(jnp.int32)
   return logits, labels, ignore_index, ls, softcap
 
 
@@ -215,8 +220,9 @@ def cross_entropy(logits, labels, *, ignore_index=None, label_smoothing=0.0, log
   dtype: dloss * (softmax(z) - (1 - ls) * onehot(label) - ls / V), times 1 - tanh^2 with a
   softcap. labels get no gradient. Works under jit, grad, vmap, shard_map and pmap. Under
   jit with the leading dims sharded, the per-position losses keep the sharding with no
-  collective; 'mean' and 'sum' then all-reduce two (one without ignore_index) float32
-  scalars, which XLA inserts for the jnp sums. A sharded vocabulary axis is gathered
+  collective; 'sum' then all-reduces one float32 scalar and 'mean' also the int32 count
+  of non-ignored positions (none without ignore_index), which XLA inserts for the jnp
+  sums; the backward pass adds no collective. A sharded vocabulary axis is gathered
   first (correct, but every device then holds whole rows). Forward-mode AD (jax.jvp) is
   not supported (custom_vjp).
   """
