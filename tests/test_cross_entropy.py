@@ -837,6 +837,52 @@ def test_cuda_without_gpu():
     jaxgpu.cross_entropy(X(), L(), implementation="cuda")
 
 
+def _raw_call(implementation, pass_, results, *args, **attrs):
+  from jaxgpu import _ffi
+  base = dict(ignore_index=np.int32(0), has_ignore=False, label_smoothing=np.float32(0),
+              softcap=np.float32(0))
+  base.update(attrs)
+  target = _ffi.target_name(f"jaxgpu_cross_entropy_{pass_}", implementation)
+  return jax.jit(lambda *a: jax.ffi.ffi_call(target, results)(*a, **base))(*args)
+
+
+F32 = jnp.float32
+BAD_BUFFERS = [
+    # (id, pass, results, args, attrs): each must fail with an error, never crash.
+    ("labels-count", "fwd", (jax.ShapeDtypeStruct((4,), F32),) * 2,
+     lambda: (jnp.ones((4, 7)), jnp.zeros((5,), jnp.int32)), {}),
+    ("labels-dtype", "fwd", (jax.ShapeDtypeStruct((4,), F32),) * 2,
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.float32)), {}),
+    ("loss-dtype", "fwd", (jax.ShapeDtypeStruct((4,), jnp.float16), jax.ShapeDtypeStruct((4,), F32)),
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32)), {}),
+    ("lse-count", "fwd", (jax.ShapeDtypeStruct((4,), F32), jax.ShapeDtypeStruct((3,), F32)),
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32)), {}),
+    ("logits-int", "fwd", (jax.ShapeDtypeStruct((4,), F32),) * 2,
+     lambda: (jnp.ones((4, 7), jnp.int32), jnp.zeros((4,), jnp.int32)), {}),
+    ("smoothing-attr", "fwd", (jax.ShapeDtypeStruct((4,), F32),) * 2,
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32)), {"label_smoothing": np.float32(1.5)}),
+    ("softcap-attr", "fwd", (jax.ShapeDtypeStruct((4,), F32),) * 2,
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32)), {"softcap": np.float32(-1)}),
+    ("dlogits-count", "bwd", (jax.ShapeDtypeStruct((4, 6), F32),),
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32), jnp.zeros(4), jnp.ones(4)), {}),
+    ("dlogits-dtype", "bwd", (jax.ShapeDtypeStruct((4, 7), jnp.bfloat16),),
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32), jnp.zeros(4), jnp.ones(4)), {}),
+    ("dloss-count", "bwd", (jax.ShapeDtypeStruct((4, 7), F32),),
+     lambda: (jnp.ones((4, 7)), jnp.zeros((4,), jnp.int32), jnp.zeros(4), jnp.ones(3)), {}),
+]
+
+
+@pytest.mark.parametrize("name,pass_,results,args,attrs", BAD_BUFFERS,
+                         ids=[b[0] for b in BAD_BUFFERS])
+def test_handler_rejects_bad_buffers(name, pass_, results, args, attrs, implementation):
+  """The FFI handlers check every buffer and attribute (the Python layer never sends
+  these): an error comes back, the process survives."""
+  if implementation == "xla":
+    pytest.skip("no handler")
+  with pytest.raises(Exception, match=r"INVALID_ARGUMENT|[Ii]nvalid argument"):
+    jax.block_until_ready(_raw_call(implementation, pass_, results, *args(), **attrs))
+
+
 # ---- size 0 ---------------------------------------------------------------------------------
 
 
