@@ -78,6 +78,8 @@ def bytes_moved(rows: int, vocab: int, itemsize: int, pass_: str) -> int:
                         a row), read labels and lse, write dlogits              2N + 12 rows
       forward+backward: their sum                                               3N + 20 rows
     So GB/s is against one read (forward) and read + read + write (forward+backward).
+    (The kernels skip the logits of ignored positions, a tenth of them in 'xent+ls+ignore';
+    the model still counts them, as the anchor reads them.)
     """
     n = rows * vocab * itemsize
     if pass_ == "fwd":

@@ -11,7 +11,10 @@ the loss and the log-sum-exp, which is all the backward pass keeps besides the l
 and labels themselves. The backward kernel reads the logits once and writes dlogits once,
 in the logits' dtype. No float32 copy of the logits and no logits-sized temporary is made
 in either pass; the reductions ('mean', 'sum') are jnp sums over the per-position losses
-(N floats).
+(N floats). Ignored and out-of-range positions are not read at all: the forward pass
+writes their loss (0 or NaN) directly, the backward pass a row of zeros. Under vmap with
+only the labels batched, the shared logits are broadcast to the batch (a copy per
+example), as the per-example losses need them.
 """
 
 from __future__ import annotations
