@@ -13,6 +13,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
+from jaxgpu.ops.softmax import softmax  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -21,4 +22,5 @@ __all__ = [
     "available_implementations",
     "layer_norm",
     "rms_norm",
+    "softmax",
 ]
