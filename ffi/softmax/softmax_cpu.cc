@@ -4,6 +4,7 @@
 // storage rounding), results rounded once to the storage type.
 #include "softmax/softmax_cpu.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <vector>
@@ -68,11 +69,14 @@ void SoftmaxBwd(const SoftmaxBwdParams& p) {
     const int64_t base = row * S;
     LoadFloats(p.y, p.dtype, base, S, y.data());
     LoadFloats(p.dy, p.dtype, base, S, dy.data());
+    // Masked and fully masked positions hold y = 0, so their gradient is 0; past the causal
+    // limit y and dy are not even read (as on CUDA).
+    const int64_t n = p.causal ? std::min(S, row % p.query_len + 1) : S;
     double dot = 0.0;
-    for (int64_t j = 0; j < S; ++j) dot += double(dy[j]) * double(y[j]);
-    // Masked and fully masked positions hold y = 0, so their gradient is exactly 0.
+    for (int64_t j = 0; j < n; ++j) dot += double(dy[j]) * double(y[j]);
     for (int64_t j = 0; j < S; ++j) {
-      dx[j] = static_cast<float>(double(p.scale) * double(y[j]) * (double(dy[j]) - dot));
+      dx[j] = j < n ? static_cast<float>(double(p.scale) * double(y[j]) * (double(dy[j]) - dot))
+                    : 0.f;
     }
     StoreFloats(p.dx, p.dtype, base, S, dx.data());
   }

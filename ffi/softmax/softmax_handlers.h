@@ -7,7 +7,7 @@
 //        attrs scale f32, causal bool, has_mask bool, query_len i64 (T = Dk; rows % T == 0)
 //   bwd  args  y (D1..Dk, S), dy (D1..Dk, S)
 //        rets  dx (D1..Dk, S)
-//        attrs scale f32
+//        attrs scale f32, causal bool, query_len i64 (T = Dk)
 // Any k >= 0. The arrays come in their own shapes, unreshaped (a reshape that merges a
 // sharded dim with the dims after it is not expressible under Explicit sharding): the
 // handler coalesces x's row dims into the groups over which the mask is all full or all
@@ -37,7 +37,9 @@ namespace jaxgpu {
   BIND.Arg<::xla::ffi::AnyBuffer>()          /* y */                               \
       .Arg<::xla::ffi::AnyBuffer>()          /* dy */                              \
       .Ret<::xla::ffi::AnyBuffer>()          /* dx */                              \
-      .Attr<float>("scale")                  /* scale */
+      .Attr<float>("scale")                  /* scale */                           \
+      .Attr<bool>("causal")                  /* causal */                          \
+      .Attr<int64_t>("query_len")            /* query_len */
 
 inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
                                        ffi::Result<ffi::AnyBuffer> y, float scale, bool causal,
@@ -125,8 +127,8 @@ inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
 }
 
 inline ffi::Error MakeSoftmaxBwdParams(ffi::AnyBuffer y, ffi::AnyBuffer dy,
-                                       ffi::Result<ffi::AnyBuffer> dx, float scale,
-                                       SoftmaxBwdParams* p) {
+                                       ffi::Result<ffi::AnyBuffer> dx, float scale, bool causal,
+                                       int64_t query_len, SoftmaxBwdParams* p) {
   auto dims = y.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("y: expected rank >= 1 (..., S)");
   auto dtype = ToDType(y.element_type());
@@ -139,6 +141,11 @@ inline ffi::Error MakeSoftmaxBwdParams(ffi::AnyBuffer y, ffi::AnyBuffer dy,
   p->rows = 1;
   for (size_t k = 0; k + 1 < dims.size(); ++k) p->rows *= dims[k];
   p->scale = scale;
+  p->causal = causal;
+  p->query_len = query_len;
+  if (causal && (dims.size() < 2 || query_len != dims[dims.size() - 2])) {
+    return ffi::Error::InvalidArgument("query_len: must be y's second-to-last dim");
+  }
   const int64_t n = p->rows * p->cols;
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(dy, y.element_type(), n, "dy"));
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(dx, y.element_type(), n, "dx"));

@@ -16,9 +16,9 @@ ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::Result<ffi:
 }
 
 ffi::Error SoftmaxBwdCpu(ffi::AnyBuffer y, ffi::AnyBuffer dy, ffi::Result<ffi::AnyBuffer> dx,
-                         float scale) {
+                         float scale, bool causal, int64_t query_len) {
   SoftmaxBwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxBwdParams(y, dy, dx, scale, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxBwdParams(y, dy, dx, scale, causal, query_len, &p));
   cpu::SoftmaxBwd(p);
   return ffi::Error::Success();
 }

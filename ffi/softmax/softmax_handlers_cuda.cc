@@ -25,9 +25,10 @@ ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
 }
 
 ffi::Error SoftmaxBwdCuda(cudaStream_t stream, ffi::AnyBuffer y, ffi::AnyBuffer dy,
-                          ffi::Result<ffi::AnyBuffer> dx, float scale) {
+                          ffi::Result<ffi::AnyBuffer> dx, float scale, bool causal,
+                          int64_t query_len) {
   SoftmaxBwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxBwdParams(y, dy, dx, scale, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxBwdParams(y, dy, dx, scale, causal, query_len, &p));
   return CudaStatus(cuda::LaunchSoftmaxBwd(p, stream), "softmax backward launch");
 }
 

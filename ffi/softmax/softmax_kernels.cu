@@ -82,6 +82,25 @@ struct FwdArgs {
   bool fast;  // rows < 2^31: the row index math runs in 32 bits with FastDiv
 };
 
+struct BwdArgs {
+  SoftmaxBwdParams p;
+  FastDiv query;
+  bool fast;
+};
+
+// The last key query `row` keeps under the causal mask: its query index, at most S - 1.
+__device__ __forceinline__ int CausalLast(bool fast, const FastDiv& query, int64_t query_len,
+                                          int64_t row, int S) {
+  int64_t i;
+  if (fast) {
+    const uint32_t n = static_cast<uint32_t>(row);
+    i = n - Div(query, n) * query.d;
+  } else {
+    i = row % query_len;
+  }
+  return static_cast<int>(min(i, int64_t(S - 1)));
+}
+
 struct RowInfo {
   int64_t mask_off;  // of the row's mask row
   int last;          // last kept key: the query index (causal), else S - 1
@@ -90,13 +109,10 @@ struct RowInfo {
 template <bool kCausal, bool kMask>
 __device__ __forceinline__ RowInfo GetRowInfo(const FwdArgs& a, int64_t row) {
   RowInfo r{0, static_cast<int>(a.p.cols) - 1};
-  if (!kCausal && !kMask) return r;
+  if constexpr (kCausal) r.last = CausalLast(a.fast, a.query, a.p.query_len, row, r.last + 1);
+  if (!kMask) return r;
   if (a.fast) {
     const uint32_t n0 = static_cast<uint32_t>(row);
-    if constexpr (kCausal) {
-      const uint32_t i = n0 - Div(a.query, n0) * a.query.d;
-      r.last = min(static_cast<int>(i), r.last);
-    }
     if constexpr (kMask) {
       uint32_t n = n0;
 #pragma unroll
@@ -109,7 +125,6 @@ __device__ __forceinline__ RowInfo GetRowInfo(const FwdArgs& a, int64_t row) {
       }
     }
   } else {
-    if constexpr (kCausal) r.last = static_cast<int>(min(row % a.p.query_len, int64_t(r.last)));
     if constexpr (kMask) {
       int64_t n = row;
       for (int k = a.p.ndims - 1; k >= 0; --k) {
@@ -250,17 +265,18 @@ __device__ __forceinline__ void ToFloats(const Vec<T, VEC>& v, float (&f)[VEC]) 
   for (int j = 0; j < VEC; ++j) f[j] = ToFloat(v.v[j]);
 }
 
-// Copies this thread's vectors of a row (columns (threadIdx.x + k * tpr) * VEC) from global
-// to shared memory: cp.async for 16-byte vectors, registers then shared for scalars. The
-// thread later reads only what it copied, so no barrier is needed, only CpAsyncWait.
+// Copies this thread's vectors of a row (columns c = (threadIdx.x + k * tpr) * VEC < lim) from
+// global to shared memory (kArrays arrays of S elements each): cp.async for 16-byte vectors,
+// registers then shared for scalars. The thread later reads only what it copied, so no
+// barrier is needed, only CpAsyncWait.
 template <typename T, int VEC, int VPT, bool kAsync, int kArrays>
 __device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int64_t base,
-                                         T* dst, int S, int tpr, bool valid) {
+                                         T* dst, int S, int lim, int tpr, bool valid) {
   if constexpr (kAsync) {
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = (int(threadIdx.x) + k * tpr) * VEC;
-      if (valid && c < S) {
+      if (valid && c < lim) {
 #pragma unroll
         for (int a = 0; a < kArrays; ++a) {
           CpAsync16(dst + a * S + c, static_cast<const T*>(src[a]) + base + c);
@@ -275,7 +291,7 @@ __device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int6
       const int c = (int(threadIdx.x) + k * tpr) * VEC;
 #pragma unroll
       for (int a = 0; a < kArrays; ++a) {
-        if (valid && c < S) tmp[a][k] = static_cast<const T*>(src[a])[base + c];
+        if (valid && c < lim) tmp[a][k] = static_cast<const T*>(src[a])[base + c];
       }
     }
 #pragma unroll
@@ -283,7 +299,7 @@ __device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int6
       const int c = (int(threadIdx.x) + k * tpr) * VEC;
 #pragma unroll
       for (int a = 0; a < kArrays; ++a) {
-        if (valid && c < S) dst[a * S + c] = tmp[a][k];
+        if (valid && c < lim) dst[a * S + c] = tmp[a][k];
       }
     }
   }
@@ -291,12 +307,25 @@ __device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int6
 
 // ---- forward ---------------------------------------------------------------------------------
 
-// Register budget: without a mask, ptxas fits the kernel (VPT <= 4) in 32 registers with no
-// spill when asked for 2 blocks of 1024 threads, so 8 blocks of 256 threads (8 rows, 128 KiB at
-// S = 8192 bf16) share an SM instead of 6 at its natural 38; with a mask it would spill, and
-// keeps 40-44 registers.
+// Register budgets (ptxas, sm_90, -warn-spills). Without a mask, the 16-byte-vector kernels
+// with VPT <= 4 fit in 32 registers with no spill when asked for 2 blocks of 1024 threads, so
+// 8 blocks of 256 threads (8 rows, 128 KiB at S = 8192 bf16) share an SM instead of 6 at
+// their natural 38 registers; with a mask (and float32 with the causal mask) they would spill
+// and keep their natural 40-46. Scalar kernels (S not a whole number of vectors) hold more
+// per thread and stop at 512 threads (128 registers: at 1024 threads the backward one
+// spilled).
+template <int VEC>
+constexpr int StagedMaxThreads() { return VEC == 1 ? 512 : kMaxThreads; }
+
+template <typename T, int VEC, int VPT, bool kCausal, bool kMask>
+constexpr int FwdMinBlocks() {
+  return (VEC > 1 && VPT <= 4 && !kMask && (!kCausal || sizeof(T) == 2)) ? 2 : 1;
+}
+
 template <typename T, int VEC, int VPT, bool kAsync, bool kCausal, bool kMask>
-__global__ void __launch_bounds__(kMaxThreads, (VPT <= 4 && !kMask) ? 2 : 1) SoftmaxFwdStaged(const FwdArgs a, int tpr) {
+__global__ void __launch_bounds__(StagedMaxThreads<VEC>(),
+                                  (FwdMinBlocks<T, VEC, VPT, kCausal, kMask>()))
+    SoftmaxFwdStaged(const FwdArgs a, int tpr) {
   static_assert(VEC * VPT <= 64, "keep bits must fit in 64 bits");
   constexpr bool kKeep = kCausal || kMask;
   extern __shared__ __align__(16) unsigned char staged[];
@@ -309,20 +338,24 @@ __global__ void __launch_bounds__(kMaxThreads, (VPT <= 4 && !kMask) ? 2 : 1) Sof
   const int step = tpr * VEC;
   T* xs = reinterpret_cast<T*>(staged) + int64_t(threadIdx.y) * S;
   const int64_t base = row * p.cols;
+  // Under the causal mask, keys past the query are neither read nor computed (their y is 0):
+  // half the reads of x for T == S.
+  RowInfo r{0, S - 1};
+  if (kKeep && valid) r = GetRowInfo<kCausal, kMask>(a, row);
+  const int lim = r.last + 1;
   const void* const src[1] = {p.x};
-  StageRow<T, VEC, VPT, kAsync, 1>(src, base, xs, S, tpr, valid);
+  StageRow<T, VEC, VPT, kAsync, 1>(src, base, xs, S, lim, tpr, valid);
 
   // While the copies are in flight: which of this thread's elements are kept.
   uint64_t keep = ~uint64_t(0);
   if constexpr (kKeep) {
     keep = 0;
     if (valid) {
-      const RowInfo r = GetRowInfo<kCausal, kMask>(a, row);
       const bool row_on = RowOn<kMask>(a, r);
 #pragma unroll
       for (int k = 0; k < VPT; ++k) {
         const int c = first + k * step;
-        if (c < S) keep |= uint64_t(KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on)) << (k * VEC);
+        if (c < lim) keep |= uint64_t(KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on)) << (k * VEC);
       }
     }
   }
@@ -336,7 +369,7 @@ __global__ void __launch_bounds__(kMaxThreads, (VPT <= 4 && !kMask) ? 2 : 1) Sof
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = first + k * step;
-      if (c < S) {
+      if (c < lim) {
         float f[VEC];
         ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + c), f);
 #pragma unroll
@@ -354,7 +387,7 @@ __global__ void __launch_bounds__(kMaxThreads, (VPT <= 4 && !kMask) ? 2 : 1) Sof
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = first + k * step;
-      if (c < S) {
+      if (c < lim) {
         float f[VEC];
         ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + c), f);
 #pragma unroll
@@ -367,16 +400,21 @@ __global__ void __launch_bounds__(kMaxThreads, (VPT <= 4 && !kMask) ? 2 : 1) Sof
   // sum == 0: nothing kept; NaN (a NaN or +inf logit) stays NaN for the whole row.
   const float inv = sum == 0.f ? 0.f : 1.f / sum;
 
-  // Pass 3: y.
+  // Pass 3: y (zeros past the causal limit).
 #pragma unroll
   for (int k = 0; k < VPT; ++k) {
     const int c = first + k * step;
     if (c < S) {
-      float f[VEC];
-      ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + c), f);
       Vec<T, VEC> out;
+      if (c < lim) {
+        float f[VEC];
+        ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + c), f);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>((kept(k, j) ? ex(f[j]) : 0.f) * inv);
+        for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>((kept(k, j) ? ex(f[j]) : 0.f) * inv);
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(0.f);
+      }
       StoreVecStream<T, VEC>(p.y, base + c, out);
     }
   }
@@ -393,10 +431,11 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
   const int step = int(blockDim.x) * VEC;
   const RowInfo r = GetRowInfo<kCausal, kMask>(a, row);
   const bool row_on = RowOn<kMask>(a, r);
+  const int lim = r.last + 1;  // keys past the causal limit are not read
 
   // Pass 1: online max and sum of exp(logit - max) per thread.
   float m = kNegInf, s = 0.f;
-  for (int c = int(threadIdx.x) * VEC; c < S; c += step) {
+  for (int c = int(threadIdx.x) * VEC; c < lim; c += step) {
     float f[VEC];
     ToFloats<T, VEC>(LoadVec<T, VEC>(p.x, base + c), f);
     const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on);
@@ -430,14 +469,19 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
 
   // Pass 2: y.
   for (int c = int(threadIdx.x) * VEC; c < S; c += step) {
-    float f[VEC];
-    ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.x, base + c), f);
-    const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on);
     Vec<T, VEC> out;
+    if (c < lim) {
+      float f[VEC];
+      ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.x, base + c), f);
+      const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) {
-      const float e = ((bits >> j) & 1u) ? Exp2((f[j] * p.scale - ms) * kLog2e) : 0.f;
-      out.v[j] = FromFloat<T>(e * inv);
+      for (int j = 0; j < VEC; ++j) {
+        const float e = ((bits >> j) & 1u) ? Exp2((f[j] * p.scale - ms) * kLog2e) : 0.f;
+        out.v[j] = FromFloat<T>(e * inv);
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(0.f);
     }
     StoreVecStream<T, VEC>(p.y, base + c, out);
   }
@@ -448,10 +492,12 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
 // dx = scale * y * (dy - sum(dy * y)). Masked and fully masked positions hold y = 0 and get
 // exactly 0, so the backward pass needs neither the mask nor the causal flag.
 
-template <typename T, int VEC, int VPT, bool kAsync>
-__global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdStaged(const SoftmaxBwdParams p, int tpr) {
+template <typename T, int VEC, int VPT, bool kAsync, bool kCausal>
+__global__ void __launch_bounds__(StagedMaxThreads<VEC>(), (VEC > 1 && VPT <= 4) ? 2 : 1)
+    SoftmaxBwdStaged(const BwdArgs a, int tpr) {
   extern __shared__ __align__(16) unsigned char staged[];
   __shared__ float scratch[kScratchFloats];
+  const SoftmaxBwdParams& p = a.p;
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool valid = row < p.rows;
   const int S = static_cast<int>(p.cols);
@@ -459,8 +505,10 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdStaged(const SoftmaxBwd
   const int step = tpr * VEC;
   T* ys = reinterpret_cast<T*>(staged) + int64_t(threadIdx.y) * 2 * S;  // y, then dy
   const int64_t base = row * p.cols;
+  // Past the causal limit y is 0: y and dy are not read there and dx is 0.
+  const int lim = (kCausal && valid) ? CausalLast(a.fast, a.query, p.query_len, row, S) + 1 : S;
   const void* const src[2] = {p.y, p.dy};
-  StageRow<T, VEC, VPT, kAsync, 2>(src, base, ys, S, tpr, valid);
+  StageRow<T, VEC, VPT, kAsync, 2>(src, base, ys, S, lim, tpr, valid);
   if constexpr (kAsync) CpAsyncWait<0>();
 
   float dot = 0.f;
@@ -468,7 +516,7 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdStaged(const SoftmaxBwd
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int c = first + k * step;
-      if (c < S) {
+      if (c < lim) {
         float y[VEC], dy[VEC];
         ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + c), y);
         ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + S + c), dy);
@@ -483,26 +531,33 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdStaged(const SoftmaxBwd
   for (int k = 0; k < VPT; ++k) {
     const int c = first + k * step;
     if (c < S) {
-      float y[VEC], dy[VEC];
-      ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + c), y);
-      ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + S + c), dy);
       Vec<T, VEC> out;
+      if (c < lim) {
+        float y[VEC], dy[VEC];
+        ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + c), y);
+        ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(ys + S + c), dy);
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(p.scale * y[j] * (dy[j] - dot));
+        for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(p.scale * y[j] * (dy[j] - dot));
+      } else {
+#pragma unroll
+        for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(0.f);
+      }
       StoreVecStream<T, VEC>(p.dx, base + c, out);
     }
   }
 }
 
-template <typename T, int VEC>
-__global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdLoop(const SoftmaxBwdParams p) {
+template <typename T, int VEC, bool kCausal>
+__global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdLoop(const BwdArgs a) {
   __shared__ float scratch[kScratchFloats];
+  const SoftmaxBwdParams& p = a.p;
   const int64_t row = blockIdx.x;
   const int S = static_cast<int>(p.cols);
   const int64_t base = row * p.cols;
   const int step = int(blockDim.x) * VEC;
+  const int lim = kCausal ? CausalLast(a.fast, a.query, p.query_len, row, S) + 1 : S;
   float dot = 0.f;
-  for (int c = int(threadIdx.x) * VEC; c < S; c += step) {
+  for (int c = int(threadIdx.x) * VEC; c < lim; c += step) {
     float y[VEC], dy[VEC];
     ToFloats<T, VEC>(LoadVec<T, VEC>(p.y, base + c), y);
     ToFloats<T, VEC>(LoadVec<T, VEC>(p.dy, base + c), dy);
@@ -511,12 +566,17 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdLoop(const SoftmaxBwdPa
   }
   dot = RowReduce(dot, scratch, int(blockDim.x), 0, SumOp{});
   for (int c = int(threadIdx.x) * VEC; c < S; c += step) {
-    float y[VEC], dy[VEC];
-    ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.y, base + c), y);
-    ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.dy, base + c), dy);
     Vec<T, VEC> out;
+    if (c < lim) {
+      float y[VEC], dy[VEC];
+      ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.y, base + c), y);
+      ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.dy, base + c), dy);
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(p.scale * y[j] * (dy[j] - dot));
+      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(p.scale * y[j] * (dy[j] - dot));
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(0.f);
+    }
     StoreVecStream<T, VEC>(p.dx, base + c, out);
   }
 }
@@ -565,7 +625,8 @@ struct StagedConfig {
 StagedConfig ChooseStaged(int64_t S, int vec, int64_t elem_bytes, int arrays, int target_vpt) {
   StagedConfig c{};
   const int64_t nvec = CeilDiv(S, vec);
-  c.tpr = static_cast<int>(std::min<int64_t>(kMaxThreads, NextPow2(CeilDiv(nvec, target_vpt))));
+  const int max_threads = vec == 1 ? StagedMaxThreads<1>() : kMaxThreads;
+  c.tpr = static_cast<int>(std::min<int64_t>(max_threads, NextPow2(CeilDiv(nvec, target_vpt))));
   const int64_t per_thread = CeilDiv(nvec, c.tpr);
   c.vpt = per_thread <= 2 ? 2 : (per_thread <= 4 ? 4 : kMaxVpt);
   c.rows_per_block = c.tpr >= kBlockThreads ? 1 : kBlockThreads / c.tpr;
@@ -611,11 +672,18 @@ cudaError_t LaunchLoop(Kernel kernel, int64_t rows, const Args& args, cudaStream
   return cudaGetLastError();
 }
 
+bool Aligned(const void* ptr, int bytes) {
+  return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
+}
+
 template <typename T, bool kCausal, bool kMask>
 cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
   const int64_t S = a.p.cols;
-  if (S % kFull == 0) {
+  // XLA's buffers are aligned far beyond 16 bytes; the check costs nothing and keeps the
+  // vector path from ever faulting on a misaligned one (the mask's vector is kFull bytes).
+  if (S % kFull == 0 && Aligned(a.p.x, 16) && Aligned(a.p.y, 16) &&
+      (!kMask || Aligned(a.p.mask, kFull))) {
     const StagedConfig c = ChooseStaged(S, kFull, sizeof(T), 1, TunedVpt(0, 4));
     if (c.staged) {
       return JAXGPU_SOFTMAX_VPT_SWITCH(c.vpt, VPT, [&] {
@@ -634,21 +702,24 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   return LaunchLoop(SoftmaxFwdLoop<T, 1, kCausal, kMask>, a.p.rows, a, stream);
 }
 
-template <typename T>
-cudaError_t LaunchBwd(const SoftmaxBwdParams& p, cudaStream_t stream) {
+template <typename T, bool kCausal>
+cudaError_t LaunchBwd(const BwdArgs& a, cudaStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
-  if (p.cols % kFull == 0) {
+  const SoftmaxBwdParams& p = a.p;
+  if (p.cols % kFull == 0 && Aligned(p.y, 16) && Aligned(p.dy, 16) && Aligned(p.dx, 16)) {
     const StagedConfig c = ChooseStaged(p.cols, kFull, sizeof(T), 2, TunedVpt(1, 4));
     if (c.staged) {
       return JAXGPU_SOFTMAX_VPT_SWITCH(c.vpt, VPT, [&] {
-        return LaunchStaged(SoftmaxBwdStaged<T, kFull, VPT, true>, c, p.rows, p, stream);
+        return LaunchStaged(SoftmaxBwdStaged<T, kFull, VPT, true, kCausal>, c, p.rows, a, stream);
       });
     }
-    return LaunchLoop(SoftmaxBwdLoop<T, kFull>, p.rows, p, stream);
+    return LaunchLoop(SoftmaxBwdLoop<T, kFull, kCausal>, p.rows, a, stream);
   }
   const StagedConfig c = ChooseStaged(p.cols, 1, sizeof(T), 2, kMaxVpt);
-  if (c.staged) return LaunchStaged(SoftmaxBwdStaged<T, 1, kMaxVpt, false>, c, p.rows, p, stream);
-  return LaunchLoop(SoftmaxBwdLoop<T, 1>, p.rows, p, stream);
+  if (c.staged) {
+    return LaunchStaged(SoftmaxBwdStaged<T, 1, kMaxVpt, false, kCausal>, c, p.rows, a, stream);
+  }
+  return LaunchLoop(SoftmaxBwdLoop<T, 1, kCausal>, p.rows, a, stream);
 }
 
 }  // namespace
@@ -667,7 +738,13 @@ cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdParams& p, cudaStream_t stream) {
 
 cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdParams& p, cudaStream_t stream) {
   if (p.rows == 0 || p.cols == 0) return cudaSuccess;
-  return JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] { return LaunchBwd<T>(p, stream); });
+  BwdArgs a{};
+  a.p = p;
+  a.fast = p.rows < (int64_t(1) << 31);
+  if (a.fast) a.query = MakeFastDiv(std::max<int64_t>(p.query_len, 1));
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+    return JAXGPU_BOOL_SWITCH(p.causal, kCausal, [&] { return LaunchBwd<T, kCausal>(a, stream); });
+  });
 }
 
 }  // namespace jaxgpu::cuda

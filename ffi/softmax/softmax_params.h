@@ -46,6 +46,8 @@ struct SoftmaxBwdParams {
   DType dtype;              // of y, dy and dx
   int64_t rows;
   int64_t cols;
+  int64_t query_len;        // T (causal only)
+  bool causal;              // y is 0 past key i of query i: neither read there, dx = 0
   float scale;              // dx = scale * y * (dy - sum(dy * y))
   const void* y;
   const void* dy;

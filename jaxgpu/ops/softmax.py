@@ -8,15 +8,25 @@ benchmarks/bench_softmax.py.
 Memory. The forward pass allocates y only (x.shape, x.dtype), which is also the one array
 kept for the backward pass (y, not x: dx = scale * y * (dy - sum(dy * y)) needs nothing
 else, and masked positions hold y = 0). The backward pass allocates dx only. No float32
-copy of anything x-sized is made, and the mask is never broadcast in memory: the kernels
-read it in its own shape with stride 0 along its size-1 dims (a reshape of the mask, free,
-is all the Python side does; the handler coalesces dims). The only copies are the ones vmap makes when it must: an
+copy of anything x-sized is made. The only copies are the ones vmap makes when it must: an
 unbatched x under a batched mask is repeated over the batch (as its output is).
+
+The mask is never broadcast in memory. The kernels get it in its own shape (padded with
+leading 1s to x's rank, a free reshape) and read element (row, j) at
+sum_k idx_k(row) * stride_k + j * stride_S, with stride 0 along its size-1 dims. What that
+costs: per row, one multiply-high division per group of x's row dims over which the mask is
+uniformly full or broadcast (3 for x (B, H, T, S) under a (B, 1, T, S) mask); and the mask's
+bytes, read where a row uses them: a (T, S) mask under (B, H, T, S) logits is read B*H
+times, from L2 while it fits there (a bool is 1 byte: 1/2 of bf16 logits per use, or 1/(B*H)
+of them from HBM). Keys past a query under the causal mask are not read at all, in either
+pass.
 
 Sharding (jit with sharded inputs, shard_map, pmap): every leading dim of x keeps its
 sharding with no collective, forward and backward. The last axis (S) is gathered when
-sharded. With is_causal the query axis (T, second to last) is gathered too in the forward
-pass, since a query's position must be global; without it, T is one more row dim. The
+sharded. With is_causal the query axis (T, second to last) is gathered too, forward and
+backward, since a query's position must be global (the simple correct choice: passing each
+shard its offset would need the partitioned body to know its shard index); without
+is_causal, T is one more row dim. The
 mask's dims follow the x dims they line up with; its size-1 (broadcast) dims are never
 sharded.
 """
@@ -119,13 +129,17 @@ def _fwd_call(cfg: _Config, x, mask):
 
 
 def _bwd_call(cfg: _Config, y, dy):
-  """Grouped y and dy in; grouped dx out. No mask: masked positions hold y = 0."""
+  """Grouped y and dy in; grouped dx out. No mask: masked positions hold y = 0. With
+  is_causal the kernels skip the keys past each query (y is 0 there), which needs the
+  global query index: T is kept whole as in the forward pass."""
   xf = " ".join(_x_factors(y.ndim))
-  layout = Layout(inputs=(xf, xf), outputs=(xf,), replicated=frozenset({"s"}))
+  layout = Layout(inputs=(xf, xf), outputs=(xf,),
+                  replicated=frozenset({"s", "t"} if cfg.is_causal else {"s"}))
 
   def local_fn(y, dy):
     dx = jax.ffi.ffi_call(cfg.target("bwd"), jax.ShapeDtypeStruct(y.shape, y.dtype))(
-        y, dy, scale=np.float32(cfg.scale))
+        y, dy, scale=np.float32(cfg.scale), causal=cfg.is_causal,
+        query_len=np.int64(y.shape[-2] if cfg.is_causal else 1))
     return (dx,)
 
   return grouped_call(local_fn, layout, y, dy)[0]
