@@ -162,13 +162,27 @@ def to64(a):
   return None if a is None else jnp.asarray(oracle.as_f64(a))
 
 
-def grad_expected(case: Case, x, mask, cot, loss_fn=loss):
+# The references, jitted once per case (static): the tests of every implementation share
+# their compilations (x64 or not is part of jax's cache key).
+@functools.partial(jax.jit, static_argnums=0)
+def ref_forward(case: Case, x, mask):
+  return ref_fn(case)(x, mask)
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def ref_grad(case: Case, x, mask, cot):
+  return jax.grad(lambda x: loss(ref_fn(case), x, mask, cot))(x)
+
+
+def grad_expected(case: Case, x, mask, cot, loss_fn=None):
   """(float64 oracle, low-precision reference) gradients wrt x."""
-  lowp = jax.jit(jax.grad(lambda x, m, c: loss_fn(ref_fn(case), x, m, c)))(x, mask, cot)
+  if loss_fn is None:
+    grad = functools.partial(ref_grad, case)
+  else:
+    grad = jax.jit(jax.grad(lambda x, m, c: loss_fn(ref_fn(case), x, m, c)))
+  lowp = grad(x, mask, cot)
   with oracle.x64():
-    exact = jax.jit(jax.grad(lambda x, m, c: loss_fn(ref_fn(case), x, m, c)))(
-        to64(x), mask, to64(cot))
-    exact = oracle.as_f64(exact)
+    exact = oracle.as_f64(grad(to64(x), mask, to64(cot)))
   return exact, lowp
 
 
@@ -210,7 +224,7 @@ def test_forward(case, dtype, implementation, rng):
   y = jax.jit(kernel_fn(implementation, case))(x, mask)
   assert y.shape == x.shape and y.dtype == x.dtype
   y64 = np_softmax(x, case.scale, case.causal, mask)
-  lowp = jax.jit(ref_fn(case))(x, mask)
+  lowp = ref_forward(case, x, mask)
   oracle.check(y, y64, lowp, what=case.id(), dtype=dtype)
   # Rows with nothing kept are exactly zero.
   empty = ~np_keep(x.shape, case.causal, mask).any(-1)
@@ -675,6 +689,44 @@ def test_traced_scale_rejected():
 def test_cuda_without_gpu():
   with pytest.raises(ValueError, match="implementation='cuda'"):
     jaxgpu.softmax(jnp.ones((2, 3)), implementation="cuda")
+
+
+# ---- the handlers' own checks (a last line of defence: an error, never a crash) -------------
+
+
+def _raw_fwd(x, mask, out_shape, **attrs):
+  from jaxgpu import _ffi
+  a = dict(scale=np.float32(1.0), causal=False, has_mask=mask is not None,
+           query_len=np.int64(1))
+  a.update(attrs)
+  return jax.ffi.ffi_call(_ffi.target_name("jaxgpu_softmax_fwd", "cpu"), out_shape)(
+      x, jnp.zeros((0,), bool) if mask is None else mask, **a)
+
+
+@pytest.mark.parametrize("build,match", [
+    (lambda x: _raw_fwd(x, jnp.ones((2, 5), bool), jax.ShapeDtypeStruct(x.shape, x.dtype)),
+     "mask: dim 0 must be 1 or 4"),
+    (lambda x: _raw_fwd(x, jnp.ones((4, 5), jnp.int32), jax.ShapeDtypeStruct(x.shape, x.dtype)),
+     "mask: expected bool"),
+    (lambda x: _raw_fwd(x, jnp.ones((5,), bool), jax.ShapeDtypeStruct(x.shape, x.dtype)),
+     "mask: expected the rank of x"),
+    (lambda x: _raw_fwd(x, None, jax.ShapeDtypeStruct((4, 4), x.dtype)), "y: expected 20"),
+    (lambda x: _raw_fwd(x, None, jax.ShapeDtypeStruct(x.shape, jnp.float16)),
+     "y: unexpected element type"),
+    (lambda x: _raw_fwd(x, None, jax.ShapeDtypeStruct(x.shape, x.dtype), causal=True,
+                        query_len=np.int64(3)), "query_len"),
+    (lambda x: _raw_fwd(x, None, jax.ShapeDtypeStruct(x.shape, x.dtype),
+                        scale=np.float32(np.inf)), "scale: must be finite"),
+    (lambda x: _raw_fwd(x.astype(jnp.int32), None, jax.ShapeDtypeStruct(x.shape, jnp.int32)),
+     "x: dtype must be"),
+], ids=["mask-dim", "mask-dtype", "mask-rank", "y-count", "y-dtype", "query_len", "scale",
+        "x-dtype"])
+def test_handler_rejects_bad_buffers(build, match):
+  if "cpu" not in jaxgpu.available_implementations():
+    pytest.skip("no CPU module")
+  x = jax.device_put(jnp.ones((4, 5), jnp.float32), jax.devices("cpu")[0])
+  with pytest.raises(Exception, match=match):
+    jax.block_until_ready(jax.jit(build)(x))
 
 
 # ---- size 0 and input forms -------------------------------------------------------------------
