@@ -311,6 +311,17 @@ def test_matches_jax_nn_softmax(implementation, rng):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-6, atol=1e-7)
 
 
+def test_mask_is_not_differentiable(implementation, rng):
+  """The mask is boolean: jax.vjp gives it a float0 cotangent (and no kernel work)."""
+  x = oracle.randn(rng, (3, 5), jnp.float32)
+  mask = jnp.asarray(rng.random((5,)) > 0.3)
+  y, vjp = jax.vjp(lambda x, m: jaxgpu.softmax(x, mask=m, implementation=implementation),
+                   x, mask)
+  dx, dmask = vjp(jnp.ones_like(y))
+  assert dx.shape == x.shape
+  assert dmask.shape == mask.shape and dmask.dtype == jax.dtypes.float0
+
+
 def test_deterministic(implementation, rng):
   """Bitwise identical across runs and separate compilations, forward and backward."""
   case = Case((8, 3, 17, 4096), scale=0.5, causal=True, mask=(8, 1, 17, 4096))
