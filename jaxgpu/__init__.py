@@ -16,6 +16,7 @@ from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # no
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
+from jaxgpu.ops.softmax import softmax  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -31,5 +32,6 @@ __all__ = [
     "rope",
     "sigmoid",
     "silu",
+    "softmax",
     "swiglu",
 ]
