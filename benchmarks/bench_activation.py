@@ -156,10 +156,7 @@ def run(bench: harness.Bench) -> None:
     impls = harness.default_implementations(bench.args)
     dtype = jnp.dtype(DTYPE)
     itemsize = np.dtype(dtype).itemsize
-    shapes = QUICK_SHAPES if bench.quick else SHAPES
-    if os.environ.get("JAXGPU_BENCH_SHAPES"):  # e.g. "8192x28672,4096x14336" for tuning runs
-        shapes = [tuple(int(n) for n in s.split("x"))
-                  for s in os.environ["JAXGPU_BENCH_SHAPES"].split(",")]
+    shapes = harness.case_shapes(bench, SHAPES, QUICK_SHAPES)
     max_copies = 2 if bench.quick else None
     key = jax.random.PRNGKey(0)
     for rows, cols in shapes:

@@ -157,10 +157,7 @@ def run(bench: harness.Bench) -> None:
     impls = harness.default_implementations(bench.args)
     dtype = jnp.dtype(DTYPE)
     itemsize = np.dtype(dtype).itemsize
-    shapes = QUICK_SHAPES if bench.quick else SHAPES
-    if os.environ.get("JAXGPU_BENCH_SHAPES"):  # e.g. "8192x262144" for tuning runs
-        shapes = [tuple(int(n) for n in s.split("x"))
-                  for s in os.environ["JAXGPU_BENCH_SHAPES"].split(",")]
+    shapes = harness.case_shapes(bench, SHAPES, QUICK_SHAPES)
     variant_shapes = shapes[:1] if bench.quick else [s for s in VARIANT_SHAPES if s in shapes]
     max_copies = 2 if bench.quick else None
     memory = bench.meta.setdefault("memory", [])  # lands in the family's JSON entry

@@ -161,10 +161,7 @@ def run(bench: harness.Bench) -> None:
     impls = harness.default_implementations(bench.args)
     dtype = jnp.dtype(DTYPE)
     itemsize = np.dtype(dtype).itemsize
-    shapes = QUICK_SHAPES if bench.quick else SHAPES
-    if os.environ.get("JAXGPU_BENCH_SHAPES"):  # e.g. "16384x8192,4096x4096" for tuning runs
-        shapes = [tuple(int(n) for n in s.split("x"))
-                  for s in os.environ["JAXGPU_BENCH_SHAPES"].split(",")]
+    shapes = harness.case_shapes(bench, SHAPES, QUICK_SHAPES)
     # Tiny quick shapes would need thousands of copies to exceed L2; the smoke test needs two.
     max_copies = 2 if bench.quick else None
     key = jax.random.PRNGKey(0)

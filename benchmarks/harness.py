@@ -611,6 +611,15 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+def case_shapes(bench: "Bench", shapes: Sequence[tuple], quick_shapes: Sequence[tuple]) -> list:
+  """The shapes a family benchmarks: its quick ones under --quick, or those named in
+  JAXGPU_BENCH_SHAPES ("16384x8192,4096x4096") for a tuning run, else its own."""
+  if os.environ.get("JAXGPU_BENCH_SHAPES"):
+    return [tuple(int(n) for n in s.split("x"))
+            for s in os.environ["JAXGPU_BENCH_SHAPES"].split(",")]
+  return list(quick_shapes if bench.quick else shapes)
+
+
 def default_implementations(args: argparse.Namespace) -> tuple[str, ...]:
     import jax
 
