@@ -16,8 +16,10 @@ from jaxgpu import _ffi, _implementation
 from conftest import HAS_CUDA
 
 REPO = Path(__file__).resolve().parents[1]
-NORM_TARGETS = {"jaxgpu_rms_norm_fwd", "jaxgpu_rms_norm_bwd", "jaxgpu_layer_norm_fwd",
-                "jaxgpu_layer_norm_bwd"}
+# Every public op is traceable by name: its FFI targets are jaxgpu_<op>_fwd and _bwd.
+OPS = [name for name in jaxgpu.__all__
+       if callable(getattr(jaxgpu, name)) and getattr(jaxgpu, name).__module__.startswith("jaxgpu.ops")]
+OP_TARGETS = {f"jaxgpu_{op}_{p}" for op in OPS for p in ("fwd", "bwd")}
 
 
 def test_public_api():
@@ -30,9 +32,10 @@ def test_public_api():
 
 def test_registered_targets():
   targets = _ffi.registered_targets()
-  assert NORM_TARGETS <= set(targets["cpu"]), targets
+  assert len(OPS) >= 11, OPS
+  assert OP_TARGETS <= set(targets["cpu"]), OP_TARGETS - set(targets["cpu"])
   if HAS_CUDA and _ffi.cuda_module() is not None:
-    assert NORM_TARGETS <= set(targets["cuda"]), targets
+    assert OP_TARGETS <= set(targets["cuda"]), OP_TARGETS - set(targets["cuda"])
   assert _ffi.registered_targets() is targets  # registered once
 
 
