@@ -36,7 +36,6 @@ QUICK_SHAPES = [(256, 1024)]
 TARGET_SHAPE = (8192, 28672)
 # The issue's targets for the gated units, bf16 (8192, 28672) on the H100. (Anchor measured
 # on this H100 when the issue was filed: XLA SwiGLU forward 3.01 TB/s.)
-TARGET_FWD_GBS_H100 = 2800.0
 TARGET_FWD_VS_XLA = 1.0
 TARGET_FWD_BWD_VS_XLA = 1.3
 
@@ -118,32 +117,9 @@ def make_inputs(key, rows: int, cols: int, dtype, gated: bool, pass_: str):
 
 
 def attach_targets(bench: harness.Bench, records, pass_: str) -> None:
-    """Mark the issue's targets on the non-anchor records of the gated units at
-    (8192, 28672). The 2.8 TB/s figure is the H100's (93% of its 3.0 TB/s copy); on another
-    GPU the same fraction of that GPU's ceiling stands in for it."""
-    if not bench.on_gpu:
-        return
-    if bench.slug == "h100":
-        gbs_target, gbs_label = TARGET_FWD_GBS_H100, "2.8 TB/s"
-    elif bench.ceiling_gbs:
-        frac = TARGET_FWD_GBS_H100 / harness.CEILINGS["h100"].hbm_gbs
-        gbs_target = frac * bench.ceiling_gbs
-        gbs_label = f"{gbs_target / 1000:.2f} TB/s ({frac:.0%} of ceiling)"
-    else:
-        gbs_target, gbs_label = None, None
-    for rec in records:
-        if rec.implementation == ANCHOR or rec.vs_anchor is None:
-            continue
-        checks = []  # (label, met)
-        if pass_ == "fwd":
-            if gbs_target is not None:
-                checks.append((f">= {gbs_label}", rec.gbs is not None and rec.gbs >= gbs_target))
-            checks.append((f">= {TARGET_FWD_VS_XLA:.1f}x xla", rec.vs_anchor >= TARGET_FWD_VS_XLA))
-        else:
-            checks.append((f">= {TARGET_FWD_BWD_VS_XLA:.1f}x xla jax.grad",
-                           rec.vs_anchor >= TARGET_FWD_BWD_VS_XLA))
-        rec.target = ", ".join(label for label, _ in checks)
-        rec.target_met = all(met for _, met in checks)
+    """The issue's targets on the gated units at (8192, 28672)."""
+    harness.mark_targets(bench, records, pass_, fwd_vs=TARGET_FWD_VS_XLA,
+                         fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,))
 
 
 def run(bench: harness.Bench) -> None:

@@ -41,7 +41,6 @@ QUICK_CASES = [
 ]
 TARGET_CASE = "q-half"
 # The issue's targets, for (8, 4096, 32, 128) bf16 on the H100 (XLA anchor there: 2.77 TB/s).
-TARGET_FWD_GBS_H100 = 2800.0  # 93% of the 3.0 TB/s copy ceiling
 TARGET_FWD_VS_XLA = 1.0
 TARGET_FWD_BWD_VS_XLA = 1.3
 # --sweep: (heads_per_thread, unroll) hints of the CUDA kernel (0 = its default).
@@ -128,30 +127,10 @@ def make_inputs(key, shape, dtype, shared: bool, pass_: str):
 
 
 def attach_targets(bench: harness.Bench, records, pass_: str) -> None:
-    """Mark the issue's targets on the kernel records of the target case (as bench_norm)."""
-    if not bench.on_gpu:
-        return
-    if bench.slug == "h100":
-        gbs_target, gbs_label = TARGET_FWD_GBS_H100, "2.8 TB/s"
-    elif bench.ceiling_gbs:
-        frac = TARGET_FWD_GBS_H100 / harness.CEILINGS["h100"].hbm_gbs
-        gbs_target = frac * bench.ceiling_gbs
-        gbs_label = f"{gbs_target / 1000:.2f} TB/s ({frac:.0%} of ceiling)"
-    else:
-        gbs_target, gbs_label = None, None
-    for rec in records:
-        if rec.implementation in (ANCHOR, NAIVE) or rec.vs_anchor is None:
-            continue
-        checks = []
-        if pass_ == "fwd":
-            if gbs_target is not None:
-                checks.append((f">= {gbs_label}", rec.gbs is not None and rec.gbs >= gbs_target))
-            checks.append((f">= {TARGET_FWD_VS_XLA:.1f}x xla", rec.vs_anchor >= TARGET_FWD_VS_XLA))
-        else:
-            checks.append((f">= {TARGET_FWD_BWD_VS_XLA:.1f}x xla jax.grad",
-                           rec.vs_anchor >= TARGET_FWD_BWD_VS_XLA))
-        rec.target = ", ".join(label for label, _ in checks)
-        rec.target_met = all(met for _, met in checks)
+    """The issue's targets on the kernel records of the target case (not the float32-angle
+    formula's)."""
+    harness.mark_targets(bench, records, pass_, fwd_vs=TARGET_FWD_VS_XLA,
+                         fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,), skip=(NAIVE,))
 
 
 def _tuned_fns(impl, layout, rotary_dim, pass_, args):

@@ -41,7 +41,6 @@ QUICK_CASES = [
 ]
 TARGET_CASE = "softmax"
 # The issue's targets, for (16384, 8192) bf16 on the H100 (anchor: XLA softmax 2.70 TB/s).
-TARGET_FWD_GBS_H100 = 2800.0  # 93% of the 3.0 TB/s copy ceiling
 TARGET_FWD_VS_XLA = 1.0
 TARGET_FWD_BWD_VS_XLA = 1.3
 
@@ -128,38 +127,10 @@ def make_inputs(key, x_shape, mask_shape, dtype, pass_: str):
 
 
 def attach_targets(bench: harness.Bench, records, pass_: str) -> None:
-    """Mark the issue's targets on the kernel's record of the (16384, 8192) case, against the
-    faster of the two XLA figures ('xla' and 'jaxnn'). The 2.8 TB/s is the H100's; on another
-    GPU the same fraction of its ceiling stands in for it."""
-    if not bench.on_gpu:
-        return
-    if bench.slug == "h100":
-        gbs_target, gbs_label = TARGET_FWD_GBS_H100, "2.8 TB/s"
-    elif bench.ceiling_gbs:
-        frac = TARGET_FWD_GBS_H100 / harness.CEILINGS["h100"].hbm_gbs
-        gbs_target = frac * bench.ceiling_gbs
-        gbs_label = f"{gbs_target / 1000:.2f} TB/s ({frac:.0%} of ceiling)"
-    else:
-        gbs_target, gbs_label = None, None
-    xla_times = [r.time_us for r in records if r.implementation in (ANCHOR, JAX_NN)]
-    if not xla_times:
-        return
-    best_xla = min(xla_times)
-    for rec in records:
-        if rec.implementation in (ANCHOR, JAX_NN):
-            continue
-        vs_best = best_xla / rec.time_us
-        checks = []
-        if pass_ == "fwd":
-            if gbs_target is not None:
-                checks.append((f">= {gbs_label}", rec.gbs is not None and rec.gbs >= gbs_target))
-            checks.append((f">= {TARGET_FWD_VS_XLA:.1f}x the faster XLA ({vs_best:.2f}x)",
-                           vs_best >= TARGET_FWD_VS_XLA))
-        else:
-            checks.append((f">= {TARGET_FWD_BWD_VS_XLA:.1f}x the faster XLA jax.grad "
-                           f"({vs_best:.2f}x)", vs_best >= TARGET_FWD_BWD_VS_XLA))
-        rec.target = ", ".join(label for label, _ in checks)
-        rec.target_met = all(met for _, met in checks)
+    """The issue's targets on the (16384, 8192) case, against the faster of the two XLA
+    figures ('xla', our masked reference, and 'jaxnn', jax.nn.softmax)."""
+    harness.mark_targets(bench, records, pass_, fwd_vs=TARGET_FWD_VS_XLA,
+                         fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR, JAX_NN))
 
 
 def run(bench: harness.Bench) -> None:

@@ -611,6 +611,51 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+# The issues' forward bandwidth target: 2.8 TB/s on the H100 (93% of its 3.0 TB/s device
+# copy); on another GPU the same fraction of that GPU's ceiling stands in for it.
+TARGET_FWD_GBS_H100 = 2800.0
+
+
+def _fwd_gbs_target(bench: "Bench") -> tuple[float | None, str | None]:
+  if bench.slug == "h100":
+    return TARGET_FWD_GBS_H100, "2.8 TB/s"
+  if bench.ceiling_gbs:
+    frac = TARGET_FWD_GBS_H100 / CEILINGS["h100"].hbm_gbs
+    target = frac * bench.ceiling_gbs
+    return target, f"{target / 1000:.2f} TB/s ({frac:.0%} of ceiling)"
+  return None, None
+
+
+def mark_targets(bench: "Bench", records: Sequence["Record"], pass_: str, *, fwd_vs: float,
+                 fwd_bwd_vs: float, baselines: Sequence[str] = ("xla",),
+                 skip: Sequence[str] = ()) -> None:
+  """Marks an issue's targets on the kernel records of a target case (on a GPU only):
+  forward >= the bandwidth target and >= fwd_vs times the fastest baseline, forward +
+  backward >= fwd_bwd_vs times it. Baseline and `skip` records get no target."""
+  if not bench.on_gpu:
+    return
+  times = [r.time_us for r in records if r.implementation in baselines]
+  if not times:
+    return
+  best = min(times)
+  gbs_target, gbs_label = _fwd_gbs_target(bench)
+  for rec in records:
+    if rec.implementation in baselines or rec.implementation in skip or not rec.time_us:
+      continue
+    ratio = best / rec.time_us
+    versus = baselines[0] if len(baselines) == 1 else "the faster XLA"
+    shown = "" if len(baselines) == 1 else f" ({ratio:.2f}x)"
+    checks = []  # (label, met)
+    if pass_ == "fwd":
+      if gbs_target is not None:
+        checks.append((f">= {gbs_label}", rec.gbs is not None and rec.gbs >= gbs_target))
+      checks.append((f">= {fwd_vs:.1f}x {versus}{shown}", ratio >= fwd_vs))
+    else:
+      checks.append((f">= {fwd_bwd_vs:.1f}x {versus} jax.grad{shown}", ratio >= fwd_bwd_vs))
+    rec.target = ", ".join(label for label, _ in checks)
+    rec.target_met = all(met for _, met in checks)
+
+
 def case_shapes(bench: "Bench", shapes: Sequence[tuple], quick_shapes: Sequence[tuple]) -> list:
   """The shapes a family benchmarks: its quick ones under --quick, or those named in
   JAXGPU_BENCH_SHAPES ("16384x8192,4096x4096") for a tuning run, else its own."""
