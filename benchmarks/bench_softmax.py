@@ -113,7 +113,6 @@ def bytes_moved(x_shape, is_causal: bool, mask_shape, itemsize: int, pass_: str)
 def make_inputs(key, x_shape, mask_shape, dtype, pass_: str):
     """One input tuple (x, mask, [cotangent]): random, never zeros; ~10% of keys padded."""
     import jax
-    import jax.numpy as jnp
 
     kx, km, kc = jax.random.split(key, 3)
     x = harness.random_array(kx, x_shape, dtype, scale=2.0)

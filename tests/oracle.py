@@ -198,3 +198,28 @@ def collectives(hlo_text: str) -> set[str]:
       if f" {n}(" in rhs or f" {n}-start(" in rhs:
         found.add(n)
   return found
+
+
+# ---- sharding on the 8 fake CPU devices (shared by every test_<family>.py) ------------------
+
+AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}
+
+
+def mesh_4x2(cpu_devices, axis_type: str):
+  """A (4, 2) mesh ('a', 'b') over the 8 CPU devices, both axes Auto or both Explicit."""
+  t = AXIS_TYPES[axis_type]
+  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
+
+
+def run_on_mesh(mesh, axis_type: str, fn):
+  """Runs fn() with the mesh set when its axes are Explicit."""
+  if axis_type == "explicit":
+    with jax.set_mesh(mesh):
+      return fn()
+  return fn()
+
+
+def spec_of(a) -> tuple:
+  """The PartitionSpec a result carries (padded), whatever the mesh's axis types."""
+  spec = tuple(a.sharding.spec)
+  return spec + (None,) * (a.ndim - len(spec))

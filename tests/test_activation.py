@@ -511,7 +511,6 @@ def test_nested_vmap(v, implementation, rng):
 
 # ---- sharding on 8 fake CPU devices -----------------------------------------------------------
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
 # Every dim may be sharded: rows, the last dim, both, a rank-1 array over all 8 devices.
 SHARD_CASES = [
@@ -520,23 +519,6 @@ SHARD_CASES = [
     pytest.param((2, 3, 8), P("b", None, "a"), id="2x3x8-b,_,a"),
     pytest.param((24,), P(("a", "b")), id="24-ab"),
 ]
-
-
-def _mesh(cpu_devices, axis_type):
-  t = AXIS_TYPES[axis_type]
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
-
-
-def _spec_of(a):
-  spec = tuple(a.sharding.spec)
-  return spec + (None,) * (a.ndim - len(spec))
-
-
-def _sharded_run(mesh, axis_type, fn):
-  if axis_type == "explicit":
-    with jax.set_mesh(mesh):
-      return fn()
-  return fn()
 
 
 def _vjp_fn(fn, n_in):
@@ -556,7 +538,7 @@ def test_sharded_no_collectives(name, shape, spec, axis_type, host_implementatio
   """Any dims sharded, gate and up alike: forward and backward with no collective at all,
   outputs and gradients keeping the input's sharding, values right."""
   v = BY_NAME[name]
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   dtype = jnp.bfloat16
   arrays = make_arrays(rng, v, shape, dtype)
   ct = oracle.randn(rng, shape, dtype)
@@ -572,12 +554,12 @@ def test_sharded_no_collectives(name, shape, spec, axis_type, host_implementatio
     bwd_hlo = bwd.lower(*a, c).compile().as_text()
     return fwd(*a), bwd(*a, c), fwd_hlo, bwd_hlo
 
-  y, grads, fwd_hlo, bwd_hlo = _sharded_run(mesh, axis_type, run)
+  y, grads, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   assert oracle.collectives(fwd_hlo) == set(), oracle.collectives(fwd_hlo)
   assert oracle.collectives(bwd_hlo) == set(), oracle.collectives(bwd_hlo)
   want = tuple(spec) + (None,) * (len(shape) - len(spec))
   for out in (y,) + tuple(grads):
-    assert _spec_of(out) == want, out.sharding
+    assert oracle.spec_of(out) == want, out.sharding
     if axis_type == "explicit":
       assert tuple(jax.typeof(out).sharding.spec) + (None,) * (len(shape) - len(
           jax.typeof(out).sharding.spec)) == want
@@ -594,7 +576,7 @@ def test_sharded_gate_up_differ(axis_type, host_implementation, cpu_devices, rng
   Explicit axes jax's own elementwise product refuses that, so the 'xla' implementation
   raises jax's ShardingTypeError; the kernels reshard."""
   v = BY_NAME["geglu_tanh"]
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   arrays = make_arrays(rng, v, (8, 6), jnp.float32)
   ct = oracle.randn(rng, (8, 6), jnp.float32)
   specs = (P("a", "b"), P("b", None))
@@ -607,9 +589,9 @@ def test_sharded_gate_up_differ(axis_type, host_implementation, cpu_devices, rng
 
   if axis_type == "explicit" and host_implementation == "xla":
     with pytest.raises(Exception, match="sharding"):
-      _sharded_run(mesh, axis_type, run)
+      oracle.run_on_mesh(mesh, axis_type, run)
     return
-  y, grads = _sharded_run(mesh, axis_type, run)
+  y, grads = oracle.run_on_mesh(mesh, axis_type, run)
   oracle.check(y, np_forward(v, arrays), jax.jit(lowp_fn(v))(*arrays), what="y",
                dtype=jnp.float32)
   lowp = jax.jit(_vjp_fn(lowp_fn(v), 2))(*arrays, ct)

@@ -616,25 +616,6 @@ def test_grad_of_vmap_and_nested_vmap(implementation, rng):
 
 # ---- sharding on 8 fake CPU devices -----------------------------------------------------------
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
-
-
-def _mesh(cpu_devices, axis_type):
-  t = AXIS_TYPES[axis_type]
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
-
-
-def _run(mesh, axis_type, fn):
-  if axis_type == "explicit":
-    with jax.set_mesh(mesh):
-      return fn()
-  return fn()
-
-
-def _spec_of(a):
-  spec = tuple(a.sharding.spec)
-  return spec + (None,) * (a.ndim - len(spec))
-
 
 def scalar_all_reduces_only(hlo: str) -> bool:
   """Every all-reduce in the HLO reduces scalars (f32[] / s32[], or a tuple of them)."""
@@ -660,7 +641,7 @@ def test_sharded_rows(reduction, axis_type, host_implementation, cpu_devices, rn
   'none': no collective at all, the losses keep the sharding. 'mean': only all-reduces
   of scalars (the sum and the count). dlogits keeps the logits' sharding. ('sum' is
   'mean' without the count: test_shard_map runs it.)"""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   static = dict(ignore_index=-100, label_smoothing=0.1, logit_softcap=30.0)
   logits = make_logits(rng, (8, 6, 59), jnp.bfloat16)
   labels = make_labels(rng, (8, 6), 59, -100)
@@ -674,14 +655,14 @@ def test_sharded_rows(reduction, axis_type, host_implementation, cpu_devices, rn
         x, l).compile()
     return compiled(x, l), compiled.as_text()
 
-  (loss, dlogits), hlo = _run(mesh, axis_type, run)
+  (loss, dlogits), hlo = oracle.run_on_mesh(mesh, axis_type, run)
   if reduction == "none":
     assert oracle.collectives(hlo) == set(), oracle.collectives(hlo)
-    assert _spec_of(loss) == ("a", "b"), loss.sharding
+    assert oracle.spec_of(loss) == ("a", "b"), loss.sharding
   else:
     assert oracle.collectives(hlo) == {"all-reduce"}, oracle.collectives(hlo)
     assert scalar_all_reduces_only(hlo), "a non-scalar all-reduce"
-  assert _spec_of(dlogits) == ("a", "b", None), dlogits.sharding
+  assert oracle.spec_of(dlogits) == ("a", "b", None), dlogits.sharding
   if axis_type == "explicit":
     assert jax.typeof(dlogits).sharding.spec == P("a", "b", None)
   exact, lowp = expected(step, logits, labels)
@@ -693,7 +674,7 @@ def test_sharded_rows(reduction, axis_type, host_implementation, cpu_devices, rn
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 def test_sharded_vocab(axis_type, host_implementation, cpu_devices, rng):
   """The vocabulary axis sharded: correct (the kernels gather whole rows first)."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   static = dict(label_smoothing=0.1)
   logits = make_logits(rng, (8, 118), jnp.float32)
   labels = make_labels(rng, (8,), 118)
@@ -705,7 +686,7 @@ def test_sharded_vocab(axis_type, host_implementation, cpu_devices, rng):
     f = jax.jit(lambda x, l: (kernel(x, l), jax.grad(kernel)(x, l)))
     return f(x, l), f.lower(x, l).compile().as_text()
 
-  (loss, dlogits), hlo = _run(mesh, axis_type, run)
+  (loss, dlogits), hlo = oracle.run_on_mesh(mesh, axis_type, run)
   if host_implementation != "xla":
     assert oracle.collectives(hlo) - {"all-reduce"}, "expected a gather of the vocabulary"
   exact, lowp = expected(lambda ce, x, l: (ce(x, l, **static), jax.grad(

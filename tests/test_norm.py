@@ -10,7 +10,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import itertools
-import math
 import re
 
 import jax
@@ -636,22 +635,9 @@ def test_nested_vmap(kind, implementation, rng):
 
 # ---- sharding on 8 fake CPU devices -----------------------------------------------------------
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
-
-
-def _mesh(cpu_devices, axis_type):
-  t = AXIS_TYPES[axis_type]
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
-
 
 def _put(mesh, tree, specs):
   return {k: jax.device_put(v, NamedSharding(mesh, specs[k])) for k, v in tree.items()}
-
-
-def _spec_of(a):
-  """The PartitionSpec a result carries (padded), whatever the mesh's axis types."""
-  spec = tuple(a.sharding.spec)
-  return spec + (None,) * (a.ndim - len(spec))
 
 
 def _sharding_case(kind, dim, dtype=jnp.float32):
@@ -659,20 +645,12 @@ def _sharding_case(kind, dim, dtype=jnp.float32):
               offset=1.0 if kind == "rms" else 0.0, residual=True)
 
 
-def _sharded_run(mesh, axis_type, fn):
-  """Runs fn() with the mesh set when its axes are Explicit."""
-  if axis_type == "explicit":
-    with jax.set_mesh(mesh):
-      return fn()
-  return fn()
-
-
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_sharded_rows(kind, axis_type, host_implementation, cpu_devices, rng):
   """Leading dims sharded over a (4, 2) mesh: forward with no collective, backward with
   only the dweight/dbias all-reduce, outputs keeping the input's row sharding."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   case = _sharding_case(kind, 59, jnp.bfloat16)
   static = case.static()
   arrays = make_arrays(rng, case)
@@ -690,13 +668,13 @@ def test_sharded_rows(kind, axis_type, host_implementation, cpu_devices, rng):
     bwd_hlo = bwd.lower(a, c).compile().as_text()
     return fwd(a), bwd(a, c), fwd_hlo, bwd_hlo
 
-  (y, h), grads, fwd_hlo, bwd_hlo = _sharded_run(mesh, axis_type, run)
+  (y, h), grads, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   assert oracle.collectives(fwd_hlo) == set(), oracle.collectives(fwd_hlo)
   assert oracle.collectives(bwd_hlo) == {"all-reduce"}, oracle.collectives(bwd_hlo)
   for out in (y, h, grads["x"], grads["residual"]):
-    assert _spec_of(out) == ("a", "b", None), out.sharding
+    assert oracle.spec_of(out) == ("a", "b", None), out.sharding
   for name in ("weight", "bias") if kind == "layer" else ("weight",):
-    assert _spec_of(grads[name]) == (None,), grads[name].sharding
+    assert oracle.spec_of(grads[name]) == (None,), grads[name].sharding
   if axis_type == "explicit":
     assert jax.typeof(y).sharding.spec == P("a", "b", None)
     assert jax.typeof(grads["weight"]).sharding.spec in (P(), P(None))
@@ -711,7 +689,7 @@ def test_sharded_rows(kind, axis_type, host_implementation, cpu_devices, rng):
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_sharded_feature_dim(kind, axis_type, host_implementation, cpu_devices, rng):
   """D sharded (x over 'b', weight over 'b' too): still correct, by a gather."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   case = _sharding_case(kind, 118)   # 2 x 59
   static = case.static()
   arrays = make_arrays(rng, case)
@@ -727,7 +705,7 @@ def test_sharded_feature_dim(kind, axis_type, host_implementation, cpu_devices, 
     bwd = jax.jit(jax.grad(lambda a, c: loss(fn, a, c)))
     return fwd(a), bwd(a, c), fwd.lower(a).compile().as_text()
 
-  (y, h), grads, fwd_hlo = _sharded_run(mesh, axis_type, run)
+  (y, h), grads, fwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   if host_implementation != "xla":
     # The kernel needs whole rows: a collective is expected, never a silent wrong answer.
     assert oracle.collectives(fwd_hlo), "expected a gather of the sharded feature dim"
@@ -740,7 +718,7 @@ def test_sharded_feature_dim(kind, axis_type, host_implementation, cpu_devices, 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
 def test_sharded_rank1_and_replicated(kind, host_implementation, cpu_devices, rng):
   """Replicated inputs on the mesh, and a rank-1 x sharded over D, stay correct."""
-  mesh = _mesh(cpu_devices, "auto")
+  mesh = oracle.mesh_4x2(cpu_devices, "auto")
   case = Case(kind, jnp.float32, (), 64, weight=True, bias=kind == "layer")
   static = case.static()
   arrays = make_arrays(rng, case)
@@ -755,8 +733,6 @@ def test_sharded_rank1_and_replicated(kind, host_implementation, cpu_devices, rn
 def _sm_mesh(cpu_devices):
   return jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2,
                        devices=cpu_devices)
-
-
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import dataclasses
 import decimal
-import functools
 import importlib
 import re
 
@@ -548,27 +547,7 @@ def test_grad_of_vmap_and_nested_vmap(implementation, rng):
 
 # ---- sharding on 8 fake CPU devices ---------------------------------------------------------
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
 
-
-def _mesh(cpu_devices, axis_type):
-  t = AXIS_TYPES[axis_type]
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
-
-
-def _spec_of(a):
-  spec = tuple(a.sharding.spec)
-  return spec + (None,) * (a.ndim - len(spec))
-
-
-def _sharded_run(mesh, axis_type, fn):
-  if axis_type == "explicit":
-    with jax.set_mesh(mesh):
-      return fn()
-  return fn()
-
-
-# (id, x spec, positions shape kind, positions spec). No collective may appear.
 SHARDINGS = [
     ("batch-seq", P("a", "b", None, None), "BT", P("a", "b")),
     ("batch-heads", P("a", None, "b", None), "BT", P("a", None)),
@@ -592,7 +571,7 @@ def _sharding_params():
 def test_sharded(x_spec, kind, p_spec, axis_type, host_implementation, cpu_devices, rng):
   """Batch, sequence and head sharding: forward and backward with no collective, outputs
   and gradients keeping x's sharding, results matching the float64 oracle."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   case = Case(jnp.bfloat16, (8, 8, 4, 16), "half", rotary_dim=12, shared=kind == "T")
   x, positions = make_x(rng, case), make_positions(rng, case)
   dy = oracle.randn(rng, case.shape, case.dtype)
@@ -607,12 +586,12 @@ def test_sharded(x_spec, kind, p_spec, axis_type, host_implementation, cpu_devic
     return (fwd(xs, ps), bwd(xs, ps, dys), fwd.lower(xs, ps).compile().as_text(),
             bwd.lower(xs, ps, dys).compile().as_text())
 
-  y, dx, fwd_hlo, bwd_hlo = _sharded_run(mesh, axis_type, run)
+  y, dx, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   assert oracle.collectives(fwd_hlo) == set(), oracle.collectives(fwd_hlo)
   assert oracle.collectives(bwd_hlo) == set(), oracle.collectives(bwd_hlo)
   want = tuple(x_spec) + (None,) * (4 - len(x_spec))
-  assert _spec_of(y) == want, y.sharding
-  assert _spec_of(dx) == want, dx.sharding
+  assert oracle.spec_of(y) == want, y.sharding
+  assert oracle.spec_of(dx) == want, dx.sharding
   if axis_type == "explicit":
     assert jax.typeof(y).sharding.spec == x_spec
   y64, lowp = expected(case, x, positions)
@@ -627,7 +606,7 @@ def test_sharded(x_spec, kind, p_spec, axis_type, host_implementation, cpu_devic
 def test_sharded_head_dim(axis_type, host_implementation, cpu_devices, rng):
   """H sharded: still correct (the kernel needs whole head rows: a gather, never a
   silently wrong answer)."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   case = Case(jnp.float32, (4, 6, 2, 16), "interleaved")
   x, positions = make_x(rng, case), make_positions(rng, case)
 
@@ -637,7 +616,7 @@ def test_sharded_head_dim(axis_type, host_implementation, cpu_devices, rng):
     f = jax.jit(op(host_implementation, **case.kw()))
     return f(xs, ps), f.lower(xs, ps).compile().as_text()
 
-  y, hlo = _sharded_run(mesh, axis_type, run)
+  y, hlo = oracle.run_on_mesh(mesh, axis_type, run)
   if host_implementation != "xla":
     assert oracle.collectives(hlo), "expected a gather of the sharded head dim"
   y64, lowp = expected(case, x, positions)

@@ -507,25 +507,6 @@ def test_grad_of_nested_vmap(implementation, rng):
 
 # ---- sharding on 8 fake CPU devices -----------------------------------------------------------
 
-AXIS_TYPES = {"auto": AxisType.Auto, "explicit": AxisType.Explicit}
-
-
-def _mesh(cpu_devices, axis_type):
-  t = AXIS_TYPES[axis_type]
-  return jax.make_mesh((4, 2), ("a", "b"), axis_types=(t, t), devices=cpu_devices)
-
-
-def _spec_of(a):
-  spec = tuple(a.sharding.spec)
-  return spec + (None,) * (a.ndim - len(spec))
-
-
-def _sharded_run(mesh, axis_type, fn):
-  if axis_type == "explicit":
-    with jax.set_mesh(mesh):
-      return fn()
-  return fn()
-
 
 SHARD_CASE = Case((8, 4, 16, 64), scale=0.5, causal=True, mask=(8, 1, 16, 64))
 
@@ -552,7 +533,7 @@ def test_sharded(name, x_spec, m_spec, case, gathers, axis_type, host_implementa
                  cpu_devices, rng):
   """Row sharding: no collective forward or backward, outputs keep x's sharding. A sharded
   S (and T under the causal mask) is gathered: correct, with a collective."""
-  mesh = _mesh(cpu_devices, axis_type)
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   x = make_x(rng, case, jnp.bfloat16)
   mask = make_mask(rng, case)
   cot = oracle.randn(rng, x.shape, jnp.bfloat16).astype(jnp.float32)
@@ -567,12 +548,12 @@ def test_sharded(name, x_spec, m_spec, case, gathers, axis_type, host_implementa
     return (fwd(xs, ms), bwd(xs, ms, cs), fwd.lower(xs, ms).compile().as_text(),
             bwd.lower(xs, ms, cs).compile().as_text())
 
-  y, g, fwd_hlo, bwd_hlo = _sharded_run(mesh, axis_type, run)
+  y, g, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   if not gathers:
     assert oracle.collectives(fwd_hlo) == set(), oracle.collectives(fwd_hlo)
     assert oracle.collectives(bwd_hlo) == set(), oracle.collectives(bwd_hlo)
-    assert _spec_of(y) == tuple(x_spec) + (None,) * (4 - len(tuple(x_spec))), y.sharding
-    assert _spec_of(g) == _spec_of(y), g.sharding
+    assert oracle.spec_of(y) == tuple(x_spec) + (None,) * (4 - len(tuple(x_spec))), y.sharding
+    assert oracle.spec_of(g) == oracle.spec_of(y), g.sharding
   elif host_implementation != "xla":
     assert oracle.collectives(fwd_hlo), "expected a gather of the sharded axis"
   if axis_type == "explicit":
@@ -586,7 +567,7 @@ def test_sharded(name, x_spec, m_spec, case, gathers, axis_type, host_implementa
 
 
 def test_sharded_rank1_and_replicated(host_implementation, cpu_devices, rng):
-  mesh = _mesh(cpu_devices, "auto")
+  mesh = oracle.mesh_4x2(cpu_devices, "auto")
   x = oracle.randn(rng, (64,), jnp.float32)
   mask = jnp.asarray(rng.random((64,)) > 0.3)
   want = np_softmax(x, None, False, mask)
