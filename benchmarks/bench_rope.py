@@ -126,13 +126,6 @@ def make_inputs(key, shape, dtype, shared: bool, pass_: str):
     return (x, positions, harness.random_array(kc, shape, dtype))
 
 
-def attach_targets(bench: harness.Bench, records, pass_: str) -> None:
-    """The issue's targets on the kernel records of the target case (not the float32-angle
-    formula's)."""
-    harness.mark_targets(bench, records, pass_, fwd_vs=TARGET_FWD_VS_XLA,
-                         fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,), skip=(NAIVE,))
-
-
 def _tuned_fns(impl, layout, rotary_dim, pass_, args):
     """The CUDA kernel compiled once per (heads_per_thread, unroll) hint: the hint is read
     at trace time, so each variant is lowered and compiled inside its own context."""
@@ -183,7 +176,9 @@ def run(bench: harness.Bench) -> None:
                                   anchor=ANCHOR if ANCHOR in impls else None,
                                   bytes_moved=bytes_moved(shape, itemsize, shared, pass_))
             if name == TARGET_CASE:
-                attach_targets(bench, recs, pass_)
+                # the issue's targets; not on the float32-angle formula's record
+                harness.mark_targets(bench, recs, pass_, fwd_vs=TARGET_FWD_VS_XLA,
+                                     fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,), skip=(NAIVE,))
             for r in recs:
                 print(f"  {name:<18} {pass_:<8} {r.implementation:<14} {r.time_us:9.1f} us "
                       f"{harness.fmt(r.gbs, '7.0f')} GB/s {harness.fmt(r.vs_anchor, '.2f')}x",

@@ -5,6 +5,8 @@ again (a last line of defence that returns an error instead of crashing)."""
 from __future__ import annotations
 
 import math
+import numbers
+import operator
 
 import jax
 import jax.numpy as jnp
@@ -49,25 +51,46 @@ def shape_is(op: str, name: str, x, shape: tuple[int, ...], what: str) -> None:
                      f"got {tuple(x.shape)}")
 
 
-def positive_finite(op: str, name: str, value) -> float:
+def _static(op: str, name: str, value, kind: str) -> None:
   if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
+    raise TypeError(f"{op}: {name} must be a static Python {kind}, not a traced value")
+
+
+def static_bool(op: str, name: str, value) -> bool:
+  _static(op, name, value, "bool")
+  if not isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
+  return bool(value)
+
+
+def static_int(op: str, name: str, value) -> int:
+  """A Python/numpy integer (not a bool, not a float)."""
+  _static(op, name, value, "int")
+  if isinstance(value, (bool, np.bool_)):
+    raise TypeError(f"{op}: {name} must be an int, got bool")
   try:
-    v = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+    return operator.index(value)
+  except TypeError:
+    raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
+
+
+def static_number(op: str, name: str, value) -> float:
+  """A real Python/numpy number (not a bool, not a string)."""
+  _static(op, name, value, "number")
+  if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
+    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
+  return float(value)
+
+
+def positive_finite(op: str, name: str, value) -> float:
+  v = static_number(op, name, value)
   if not (v > 0 and math.isfinite(v)):
     raise ValueError(f"{op}: {name} must be positive and finite, got {value!r}")
   return v
 
 
 def finite(op: str, name: str, value) -> float:
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
-  try:
-    v = float(value)
-  except (TypeError, ValueError):
-    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}") from None
+  v = static_number(op, name, value)
   if not math.isfinite(v):
     raise ValueError(f"{op}: {name} must be finite, got {value!r}")
   return v

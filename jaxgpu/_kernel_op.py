@@ -153,12 +153,9 @@ def _batchable(local_fn: LocalFn, layout: Layout):
   return op
 
 
-def _group_size(args: Sequence[jax.Array], layout: Layout, batched=None) -> int:
-  sizes = []
-  for i, (a, dims) in enumerate(zip(args, layout.inputs)):
-    lead = 1 if (batched is not None and batched[i]) else 0
-    sizes.append(a.shape[lead])
-  return max(sizes)
+def _group_size(args: Sequence[jax.Array], batched=None) -> int:
+  return max(a.shape[1 if (batched is not None and batched[i]) else 0]
+             for i, a in enumerate(args))
 
 
 def _fold_batch_into_groups(axis_size, in_batched, args, layout: Layout):
@@ -169,7 +166,7 @@ def _fold_batch_into_groups(axis_size, in_batched, args, layout: Layout):
   which only happens when its output is B times larger anyway (x unbatched, weight
   batched).
   """
-  g = _group_size(args, layout, in_batched)
+  g = _group_size(args, in_batched)
   folded = []
   for a, batched, dims in zip(args, in_batched, layout.inputs):
     broadcastable = dims.split()[0] == "[g]"
@@ -265,7 +262,7 @@ def _spec_of(shape, rank):
 
 def _plan(local_fn: LocalFn, layout: Layout, args) -> _Plan:
   out_shapes = jax.eval_shape(local_fn, *args)
-  group = _group_size(args, layout)
+  group = _group_size(args)
   return _Plan(
       in_factors=tuple(tuple(_expand_factors(d, a.shape, group, f"i{i}"))
                        for i, (d, a) in enumerate(zip(layout.inputs, args))),

@@ -200,6 +200,18 @@ def collectives(hlo_text: str) -> set[str]:
   return found
 
 
+def check_tree(got, exact, lowp, what: str, dtype, atol_ulps: float = 4.0) -> None:
+  """`check` on every leaf of matching pytrees (kernel output, float64 oracle, low-precision
+  reference), each named by its path."""
+  paths = jax.tree_util.tree_flatten_with_path(exact)[0]
+  g = jax.tree.leaves(got)
+  r = jax.tree.leaves(lowp)
+  assert len(g) == len(paths) == len(r), what
+  for (path, e), gi, ri in zip(paths, g, r):
+    check(gi, e, ri, what=f"{what}{jax.tree_util.keystr(path)}", dtype=dtype,
+          atol_ulps=atol_ulps)
+
+
 # ---- sharding on the 8 fake CPU devices (shared by every test_<family>.py) ------------------
 
 AXIS_TYPES = {"auto": jax.sharding.AxisType.Auto, "explicit": jax.sharding.AxisType.Explicit}

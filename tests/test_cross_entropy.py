@@ -206,16 +206,6 @@ def expected(forward, *args):
   return exact, lowp
 
 
-def check_tree(got, exact, lowp, what, dtype, atol_ulps=4.0):
-  paths = jax.tree_util.tree_flatten_with_path(exact)[0]
-  g = jax.tree.leaves(got)
-  r = jax.tree.leaves(lowp)
-  assert len(g) == len(paths) == len(r), what
-  for (path, e), gi, ri in zip(paths, g, r):
-    oracle.check(gi, e, ri, what=f"{what}{jax.tree_util.keystr(path)}", dtype=dtype,
-                 atol_ulps=atol_ulps)
-
-
 # dlogits: the kernels' exp and the reference's differ in the last float32 bits before the
 # rounding to the logits' dtype; a few ulps of that dtype of headroom, as for norm.
 GRAD_ATOL_ULPS = 8.0
@@ -595,8 +585,8 @@ def test_vmap(name, lax, tax, dtype, implementation, rng):
 
   got = jax.jit(lambda x, l: forward(_kernel_ce(implementation), x, l))(logits, labels)
   exact, lowp = expected(forward, logits, labels)
-  check_tree(got[0], exact[0], lowp[0], f"vmap {name}", jnp.float32)
-  check_tree(got[1], exact[1], lowp[1], f"vmap(grad) {name}", dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(got[0], exact[0], lowp[0], f"vmap {name}", jnp.float32)
+  oracle.check_tree(got[1], exact[1], lowp[1], f"vmap(grad) {name}", dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 def test_grad_of_vmap_and_nested_vmap(implementation, rng):
@@ -609,8 +599,8 @@ def test_grad_of_vmap_and_nested_vmap(implementation, rng):
   both = lambda ce, x, l: (loss(ce, x, l), jax.grad(lambda x: loss(ce, x, l))(x))
   got = jax.jit(lambda x, l: both(_kernel_ce(implementation), x, l))(logits, labels)
   exact, lowp = expected(both, logits, labels)
-  check_tree(got[0], exact[0], lowp[0], "vmap(vmap) loss", jnp.float32)
-  check_tree(got[1], exact[1], lowp[1], "grad(vmap(vmap))", jnp.bfloat16,
+  oracle.check_tree(got[0], exact[0], lowp[0], "vmap(vmap) loss", jnp.float32)
+  oracle.check_tree(got[1], exact[1], lowp[1], "grad(vmap(vmap))", jnp.bfloat16,
              atol_ulps=GRAD_ATOL_ULPS)
 
 
@@ -666,8 +656,8 @@ def test_sharded_rows(reduction, axis_type, host_implementation, cpu_devices, rn
   if axis_type == "explicit":
     assert jax.typeof(dlogits).sharding.spec == P("a", "b", None)
   exact, lowp = expected(step, logits, labels)
-  check_tree(loss, exact[0], lowp[0], "sharded loss", jnp.float32)
-  check_tree(dlogits, exact[1], lowp[1], "sharded dlogits", jnp.bfloat16,
+  oracle.check_tree(loss, exact[0], lowp[0], "sharded loss", jnp.float32)
+  oracle.check_tree(dlogits, exact[1], lowp[1], "sharded dlogits", jnp.bfloat16,
              atol_ulps=GRAD_ATOL_ULPS)
 
 
@@ -691,8 +681,8 @@ def test_sharded_vocab(axis_type, host_implementation, cpu_devices, rng):
     assert oracle.collectives(hlo) - {"all-reduce"}, "expected a gather of the vocabulary"
   exact, lowp = expected(lambda ce, x, l: (ce(x, l, **static), jax.grad(
       lambda x: ce(x, l, **static))(x)), logits, labels)
-  check_tree(loss, exact[0], lowp[0], "V-sharded loss", jnp.float32)
-  check_tree(dlogits, exact[1], lowp[1], "V-sharded dlogits", jnp.float32,
+  oracle.check_tree(loss, exact[0], lowp[0], "V-sharded loss", jnp.float32)
+  oracle.check_tree(dlogits, exact[1], lowp[1], "V-sharded dlogits", jnp.float32,
              atol_ulps=GRAD_ATOL_ULPS)
 
 
@@ -718,14 +708,14 @@ def test_shard_map(host_implementation, cpu_devices, rng):
   ref = lambda ce, x, l: (ce(x, l, reduction="none", **static), ce(x, l, reduction="sum", **static),
                           jax.grad(lambda x: ce(x, l, reduction="sum", **static))(x))
   exact, lowp = expected(ref, logits, labels)
-  check_tree((per, total), exact[:2], lowp[:2], "shard_map losses", jnp.float32)
-  check_tree(dx, exact[2], lowp[2], "grad inside shard_map", jnp.bfloat16,
+  oracle.check_tree((per, total), exact[:2], lowp[:2], "shard_map losses", jnp.float32)
+  oracle.check_tree(dx, exact[2], lowp[2], "grad inside shard_map", jnp.bfloat16,
              atol_ulps=GRAD_ATOL_ULPS)
 
   sm_sum = lambda x, l: shard_map(lambda x, l: jax.lax.psum(kernel(x, l, "sum"), ("a", "b")),
                                   mesh=mesh, in_specs=(rows, rows), out_specs=P())(x, l)
   g = jax.jit(jax.grad(sm_sum))(logits, labels)
-  check_tree(g, exact[2], lowp[2], "grad of shard_map", jnp.bfloat16, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(g, exact[2], lowp[2], "grad of shard_map", jnp.bfloat16, atol_ulps=GRAD_ATOL_ULPS)
 
 
 def test_pmap(host_implementation, cpu_devices, rng):
@@ -737,8 +727,8 @@ def test_pmap(host_implementation, cpu_devices, rng):
   kernel = lambda x, l, **kw: jaxgpu.cross_entropy(x, l, implementation=host_implementation, **kw)
   got = jax.pmap(f(kernel), devices=cpu_devices[:4])(logits, labels)
   exact, lowp = expected(lambda ce, x, l: jax.vmap(f(ce))(x, l), logits, labels)
-  check_tree(got[0], exact[0], lowp[0], "pmap loss", jnp.float32)
-  check_tree(got[1], exact[1], lowp[1], "pmap dlogits", jnp.float32, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(got[0], exact[0], lowp[0], "pmap loss", jnp.float32)
+  oracle.check_tree(got[1], exact[1], lowp[1], "pmap dlogits", jnp.float32, atol_ulps=GRAD_ATOL_ULPS)
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -213,16 +213,6 @@ def expected_outputs(kind, static, arrays, forward):
   return exact, lowp
 
 
-def check_tree(got, exact, lowp, what, dtype, atol_ulps=4.0):
-  paths = jax.tree_util.tree_flatten_with_path(exact)[0]
-  g = jax.tree.leaves(got)
-  r = jax.tree.leaves(lowp)
-  assert len(g) == len(paths) == len(r), what
-  for (path, e), gi, ri in zip(paths, g, r):
-    oracle.check(gi, e, ri, what=f"{what}{jax.tree_util.keystr(path)}", dtype=dtype,
-                 atol_ulps=atol_ulps)
-
-
 # Backward: the kernels' row reductions (mean(g * xhat)) and the weight-gradient sums run
 # in a different order than XLA's; a few more ulps of headroom than the forward.
 GRAD_ATOL_ULPS = 8.0
@@ -536,7 +526,7 @@ def test_vmap(kind, axes, dtype, implementation, rng):
   forward = functools.partial(_forward_vmapped, in_axes)
   got = jax.jit(lambda a: forward(kernel_fn(kind, implementation, **static), a))(arrays)
   exact, lowp = expected_outputs(kind, static, arrays, forward)
-  check_tree(got, exact, lowp, f"vmap {axes}", dtype)
+  oracle.check_tree(got, exact, lowp, f"vmap {axes}", dtype)
   # And against the numpy oracle, one example at a time.
   y = np.asarray(got[0].astype(jnp.float32))
   for i in range(B):
@@ -579,7 +569,7 @@ def test_vmap_of_grad(kind, axes, dtype, implementation, rng):
     assert v.shape == (B,) + (case.shape if k in ("x", "residual") else (case.dim,)), k
   exact, lowp = expected_outputs(kind, static, (arrays, cots),
                                  lambda fn, ac: grad_fn(fn, *ac))
-  check_tree(got, exact, lowp, f"vmap(grad) {axes}", dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(got, exact, lowp, f"vmap(grad) {axes}", dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 @pytest.mark.parametrize("kind,weight_axis", [("rms", None), ("layer", None), ("rms", 0)])
@@ -597,7 +587,7 @@ def test_grad_of_vmap(kind, weight_axis, implementation, rng):
   got = jax.jit(jax.grad(lambda a, c: loss_fn(kernel_fn(kind, implementation, **static),
                                               a, c)))(arrays, cots)
   exact, lowp = expected_grads(kind, static, arrays, cots, loss_fn=loss_fn)
-  check_tree(got, exact, lowp, "grad(vmap)", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(got, exact, lowp, "grad(vmap)", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
@@ -622,7 +612,7 @@ def test_nested_vmap(kind, implementation, rng):
   got = jax.jit(lambda a: forward(kernel_fn(kind, implementation, **static), a))(arrays)
   assert got[0].shape == (2, 3, 5, 59)
   exact, lowp = expected_outputs(kind, static, arrays, forward)
-  check_tree(got, exact, lowp, "vmap(vmap)", case.dtype)
+  oracle.check_tree(got, exact, lowp, "vmap(vmap)", case.dtype)
 
   cots = {"y": oracle.randn(rng, (2, 3, 5, 59), case.dtype).astype(jnp.float32),
           "h": oracle.randn(rng, (2, 3, 5, 59), case.dtype).astype(jnp.float32)}
@@ -630,7 +620,7 @@ def test_nested_vmap(kind, implementation, rng):
   g = jax.jit(jax.grad(lambda a, c: loss_fn(kernel_fn(kind, implementation, **static), a, c)))(
       arrays, cots)
   exact, lowp = expected_grads(kind, static, arrays, cots, loss_fn=loss_fn)
-  check_tree(g, exact, lowp, "grad(vmap(vmap))", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(g, exact, lowp, "grad(vmap(vmap))", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 # ---- sharding on 8 fake CPU devices -----------------------------------------------------------
@@ -680,9 +670,9 @@ def test_sharded_rows(kind, axis_type, host_implementation, cpu_devices, rng):
     assert jax.typeof(grads["weight"]).sharding.spec in (P(), P(None))
 
   exact, lowp = expected_outputs(kind, static, arrays, lambda fn, a: fn(**a))
-  check_tree((y, h), exact, lowp, "sharded forward", case.dtype)
+  oracle.check_tree((y, h), exact, lowp, "sharded forward", case.dtype)
   exact, lowp = expected_grads(kind, static, arrays, cots)
-  check_tree(grads, exact, lowp, "sharded grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(grads, exact, lowp, "sharded grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 @pytest.mark.parametrize("axis_type", ["auto", "explicit"])
@@ -710,9 +700,9 @@ def test_sharded_feature_dim(kind, axis_type, host_implementation, cpu_devices, 
     # The kernel needs whole rows: a collective is expected, never a silent wrong answer.
     assert oracle.collectives(fwd_hlo), "expected a gather of the sharded feature dim"
   exact, lowp = expected_outputs(kind, static, arrays, lambda fn, a: fn(**a))
-  check_tree((y, h), exact, lowp, "D-sharded forward", case.dtype)
+  oracle.check_tree((y, h), exact, lowp, "D-sharded forward", case.dtype)
   exact, lowp = expected_grads(kind, static, arrays, cots)
-  check_tree(grads, exact, lowp, "D-sharded grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(grads, exact, lowp, "D-sharded grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 @pytest.mark.parametrize("kind", ["rms", "layer"])
@@ -727,7 +717,7 @@ def test_sharded_rank1_and_replicated(kind, host_implementation, cpu_devices, rn
   for specs in ({"x": P(), "weight": P(), "bias": P()},
                 {"x": P(("a", "b")), "weight": P(), "bias": P("a")}):
     y = jax.jit(lambda a: fn(**a)[0])(_put(mesh, arrays, specs))
-    check_tree(y, exact, lowp, f"rank-1 {specs['x']}", case.dtype)
+    oracle.check_tree(y, exact, lowp, f"rank-1 {specs['x']}", case.dtype)
 
 
 def _sm_mesh(cpu_devices):
@@ -755,13 +745,13 @@ def test_shard_map(kind, host_implementation, cpu_devices, rng):
 
   y, h = jax.jit(lambda a: sharded_forward(fn, a))(arrays)
   exact, lowp = expected_outputs(kind, static, arrays, lambda fn, a: fn(**a))
-  check_tree((y, h), exact, lowp, "shard_map forward", case.dtype)
+  oracle.check_tree((y, h), exact, lowp, "shard_map forward", case.dtype)
   exact, lowp = expected_grads(kind, static, arrays, cots)
 
   # grad of the shard_map.
   g_out = jax.jit(jax.grad(lambda a, c: loss(lambda **kw: sharded_forward(fn, kw), a, c)))(
       arrays, cots)
-  check_tree(g_out, exact, lowp, "grad of shard_map", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(g_out, exact, lowp, "grad of shard_map", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
   # grad inside, check_vma=False: per-shard parameter gradients, summed by the caller.
   def inner_grad_psum(a, c):
@@ -771,7 +761,7 @@ def test_shard_map(kind, host_implementation, cpu_devices, rng):
 
   g_in = jax.jit(shard_map(inner_grad_psum, mesh=mesh, in_specs=(a_specs, c_specs),
                            out_specs=a_specs, check_vma=False))(arrays, cots)
-  check_tree(g_in, exact, lowp, "grad inside shard_map (check_vma=False)", case.dtype,
+  oracle.check_tree(g_in, exact, lowp, "grad inside shard_map (check_vma=False)", case.dtype,
              atol_ulps=GRAD_ATOL_ULPS)
 
   # grad inside, check_vma=True (the default): the gradient of a replicated (invariant)
@@ -781,7 +771,7 @@ def test_shard_map(kind, host_implementation, cpu_devices, rng):
 
   g_in = jax.jit(shard_map(inner_grad, mesh=mesh, in_specs=(a_specs, c_specs),
                            out_specs=a_specs))(arrays, cots)
-  check_tree(g_in, exact, lowp, "grad inside shard_map", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(g_in, exact, lowp, "grad inside shard_map", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 def test_shard_map_outputs_are_varying(host_implementation, cpu_devices, rng):
@@ -824,7 +814,7 @@ def test_pmap(kind, host_implementation, cpu_devices, rng):
   # pmap over devices means vmap over examples: the oracle is the vmapped reference.
   exact, lowp = expected_outputs(kind, static, arrays,
                                  functools.partial(_forward_vmapped, in_axes))
-  check_tree(got, exact, lowp, "pmap forward", case.dtype)
+  oracle.check_tree(got, exact, lowp, "pmap forward", case.dtype)
 
   def per_device(fn):
     def g(*xs_and_cots):
@@ -838,7 +828,7 @@ def test_pmap(kind, host_implementation, cpu_devices, rng):
   exact, lowp = expected_outputs(
       kind, static, (arrays, cots),
       lambda fn, ac: jax.vmap(per_device(fn), in_axes=axes)(*flat(*ac)))
-  check_tree(got, exact, lowp, "pmap grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
+  oracle.check_tree(got, exact, lowp, "pmap grad", case.dtype, atol_ulps=GRAD_ATOL_ULPS)
 
 
 # ---- bad input ------------------------------------------------------------------------------

@@ -38,7 +38,6 @@ import dataclasses
 import functools
 
 import jax
-import numpy as np
 
 from jaxgpu import _checks, _ffi, _implementation
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
@@ -119,21 +118,14 @@ _gated.defvjp(_gated_fwd, _gated_bwd)
 # ---- public API ---------------------------------------------------------------------------
 
 
-def _static_bool(op: str, name: str, value) -> bool:
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a static Python bool, not a traced value")
-  if not isinstance(value, (bool, np.bool_)):
-    raise TypeError(f"{op}: {name} must be a bool, got {type(value).__name__}")
-  return bool(value)
-
-
 # The approximate= of the ops that have none (relu, sigmoid, silu, swiglu): no attribute.
 _NO_ATTR = object()
 
 
 def _unary_op(op: str, x, implementation, approximate=_NO_ATTR):
   x = _checks.float_array(op, "x", x)
-  approximate = None if approximate is _NO_ATTR else _static_bool(op, "approximate", approximate)
+  approximate = (None if approximate is _NO_ATTR
+                 else _checks.static_bool(op, "approximate", approximate))
   impl = _implementation.resolve(implementation)
   if impl == "xla" or x.size == 0:
     fn = getattr(reference, op)
@@ -146,7 +138,8 @@ def _gated_op(op: str, gate, up, implementation, approximate=_NO_ATTR):
   up = _checks.float_array(op, "up", up)
   _checks.same_dtype(op, "up", up, "gate", gate)
   _checks.shape_is(op, "up", up, gate.shape, "the shape of gate")
-  approximate = None if approximate is _NO_ATTR else _static_bool(op, "approximate", approximate)
+  approximate = (None if approximate is _NO_ATTR
+                 else _checks.static_bool(op, "approximate", approximate))
   impl = _implementation.resolve(implementation)
   if impl == "xla" or gate.size == 0:
     fn = getattr(reference, op)

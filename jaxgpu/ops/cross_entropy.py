@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib
-import numbers
 
 import jax
 import jax.numpy as jnp
@@ -119,14 +118,6 @@ _losses.defvjp(_losses_fwd, _losses_bwd)
 # ---- public API ---------------------------------------------------------------------------
 
 
-def _static_number(op: str, name: str, value) -> float:
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a static Python number, not a traced value")
-  if isinstance(value, bool) or not isinstance(value, numbers.Real):
-    raise TypeError(f"{op}: {name} must be a number, got {type(value).__name__}")
-  return float(value)
-
-
 def _check_labels_in_range(op: str, labels, vocab: int, ignore_index) -> None:
   """Concrete labels (numpy, or a jax array outside a trace) are checked here, once; traced
   labels cannot be, and the kernels treat an out-of-range label as documented instead."""
@@ -162,7 +153,7 @@ def _check(op, logits, labels, ignore_index, label_smoothing, logit_softcap, red
     ignore_index = int(ignore_index)
     if not -2**31 <= ignore_index < 2**31:
       raise ValueError(f"{op}: ignore_index must fit in int32, got {ignore_index}")
-  ls = _static_number(op, "label_smoothing", label_smoothing)
+  ls = _checks.static_number(op, "label_smoothing", label_smoothing)
   if not (0.0 <= ls < 1.0):
     raise ValueError(f"{op}: label_smoothing must be in [0, 1), got {label_smoothing!r}")
   softcap = None

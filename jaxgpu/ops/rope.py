@@ -16,7 +16,6 @@ import dataclasses
 import functools
 import importlib
 import math
-import operator
 
 import jax
 import jax.numpy as jnp
@@ -116,17 +115,6 @@ _rope.defvjp(_rope_fwd, _rope_bwd)
 # ---- public API ---------------------------------------------------------------------------
 
 
-def _static_int(op: str, name: str, value) -> int:
-  if isinstance(value, jax.core.Tracer):
-    raise TypeError(f"{op}: {name} must be a static Python int, not a traced value")
-  if isinstance(value, bool):
-    raise TypeError(f"{op}: {name} must be an int, got bool")
-  try:
-    return operator.index(value)
-  except TypeError:
-    raise TypeError(f"{op}: {name} must be an int, got {type(value).__name__}") from None
-
-
 def _check(op, x, positions, theta, layout, rotary_dim):
   x = _checks.float_array(op, "x", x)
   if x.ndim < 3:
@@ -149,7 +137,7 @@ def _check(op, x, positions, theta, layout, rotary_dim):
   if rotary_dim is None:
     r = dim
   else:
-    r = _static_int(op, "rotary_dim", rotary_dim)
+    r = _checks.static_int(op, "rotary_dim", rotary_dim)
     if r <= 0 or r % 2 or r > dim:
       raise ValueError(f"{op}: rotary_dim must be even and in [2, H = {dim}], got {r}")
   return x, positions, theta, r, tuple(positions.shape) == shared and per_token != shared
