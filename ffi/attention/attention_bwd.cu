@@ -1,0 +1,354 @@
+// Attention backward on tensor cores (mma.sync m16n8k16, sm_80+), deterministic: no atomics,
+// every gradient element is summed by one thread in a fixed order.
+//
+//   1. DeltaKernel   delta = rowsum(dO * O) per query row (float32 workspace).
+//   2. DqKernel      per (query tile, query head): walks the visible key tiles,
+//                    recomputes P = exp(L - lse), dP = dO V^T, dS = P (dP - delta),
+//                    dQ += dS K. (3 products)
+//   3. DkvKernel     per (key tile, kv head): walks every query head of its GQA group and
+//                    the visible query tiles, recomputes P^T and dP^T with keys as rows,
+//                    dV += P^T dO, dK += dS^T Q. (4 products)
+// Splitting dQ from dK/dV costs two extra products (7 instead of FlashAttention-2's 5) and
+// buys determinism without a float32 dQ accumulator in memory or atomics; the GQA sum over
+// a kv head's query heads happens in registers.
+#include <cuda_runtime.h>
+
+#include "attention/attention_cuda.h"
+#include "attention/attention_launch.cuh"
+#include "attention/attention_tile.cuh"
+
+namespace jaxgpu::cuda {
+namespace attention {
+namespace {
+
+// ---- 1. delta ------------------------------------------------------------------------------
+
+// One warp per query row (b, t, kh, r): H <= 256 is at most 32 chunks of 8 elements.
+template <typename T>
+__global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
+  const int64_t rows = p.batch * p.q_len * p.kv_heads * p.group;
+  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const int lane = threadIdx.x & 31;
+  if (row >= rows) return;
+  const int H = static_cast<int>(p.head_dim);
+  float acc = 0.f;
+  if (lane * 8 < H) {
+    const auto o = LoadVec<T, 8>(p.o, row * H + lane * 8);
+    const auto d = LoadVec<T, 8>(p.d_o, row * H + lane * 8);
+#pragma unroll
+    for (int e = 0; e < 8; ++e) acc += ToFloat(o.v[e]) * ToFloat(d.v[e]);
+  }
+#pragma unroll
+  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
+  if (lane == 0) {
+    // row = ((b * T + t) * K + kh) * R + r  ->  delta[b, kh, r, t]
+    const int64_t heads = p.kv_heads * p.group;
+    const int64_t head = row % heads;
+    const int64_t bt = row / heads;
+    const int64_t t = bt % p.q_len, b = bt / p.q_len;
+    p.delta[(b * heads + head) * p.q_len + t] = acc;
+  }
+}
+
+// Probabilities and score gradients of a score tile, in place: x holds log2-domain logits
+// (-inf where masked), dp the products dO V^T; row_lse2 / row_delta give each element's
+// query statistics. p = exp2(x - lse2) (0 where masked, also on rows with nothing visible,
+// whose lse is -inf); ds = p (dp - delta), times the softcap's derivative 1 - (c / cap)^2.
+__device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
+                                              const LogitScale& ls) {
+  const float pr = x == -INFINITY ? 0.f : FastExp2(x - lse2);
+  float ds = pr * (dp - delta);
+  if (ls.cap > 0.f) {
+    const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
+    ds = x == -INFINITY ? 0.f : ds * (1.f - c * c);
+  }
+  x = pr;
+  dp = ds;
+}
+
+// ---- 2. dQ ---------------------------------------------------------------------------------
+
+template <int kHeadDim>
+struct DqTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
+  static constexpr int kThreads = 32 * kWarps;
+  // Q, dO, and two buffers each of K and V.
+  static constexpr int kSmemBytes =
+      (2 * kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+};
+
+template <typename T, int kHeadDim, bool kMaskable>
+__global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
+    DqKernel(AttentionParams p, LogitScale ls) {
+  using Tr = DqTraits<kHeadDim>;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN;
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sq = reinterpret_cast<T*>(smem_raw);
+  T* sdo = sq + kM * kStride;
+  T* skv = sdo + kM * kStride;  // [buffer][K, V]
+  auto sk = [&](int buf) { return skv + (2 * buf) * kN * kStride; };
+  auto sv = [&](int buf) { return skv + (2 * buf + 1) * kN * kStride; };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int m_blocks = (static_cast<int>(p.q_len) + kM - 1) / kM;
+  const int64_t head = blockIdx.x / m_blocks;
+  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
+  const int64_t r = head % p.group;
+  const int64_t kh = (head / p.group) % p.kv_heads;
+  const int64_t b = head / (p.group * p.kv_heads);
+  const HeadOffsets off = MakeHeadOffsets(p, b, kh, r);
+  const Mask mask = MakeMask(p, b);
+  const int H = static_cast<int>(p.head_dim);
+  const int m0 = m_block * kM;
+  const int m_last = min(m0 + kM, mask.q_len) - 1;
+  const int row0 = m0 + warp * 16;
+
+  const T* k = static_cast<const T*>(p.k) + off.kv;
+  const T* v = static_cast<const T*>(p.v) + off.kv;
+  T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    lse2[h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
+    delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
+  }
+
+  float acc_dq[kHeadDim / 8][4];
+#pragma unroll
+  for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
+  }
+
+  int key_lo, key_hi;
+  mask.KeyRange(m0, m_last, &key_lo, &key_hi);
+  const int n_begin = key_lo / kN;
+  const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
+  auto load_kv = [&](int nb, int buf) {
+    const int n0 = nb * kN;
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk(buf), k + n0 * off.kv_ld, off.kv_ld,
+                                              mask.kv_len - n0, H);
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv(buf), v + n0 * off.kv_ld, off.kv_ld,
+                                              mask.kv_len - n0, H);
+  };
+  if (n_begin < n_end) {
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, static_cast<const T*>(p.q) + off.q +
+                                                      m0 * off.q_ld,
+                                              off.q_ld, mask.q_len - m0, H);
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + off.q +
+                                                       m0 * off.q_ld,
+                                              off.q_ld, mask.q_len - m0, H);
+    load_kv(n_begin, 0);
+    CpAsyncCommit();
+  }
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int buf = (nb - n_begin) & 1;
+    const int n0 = nb * kN;
+    CpAsyncWait<0>();
+    __syncthreads();  // tile nb in smem; every warp is done with tile nb - 1's buffer
+    if (nb + 1 < n_end) {
+      load_kv(nb + 1, buf ^ 1);
+      CpAsyncCommit();
+    }
+    float s[kN / 8][4], dp[kN / 8][4];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+    }
+    ScoresFromSmem<T, kHeadDim, kN>(s, sq, warp * 16, sk(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kN>(dp, sdo, warp * 16, sv(buf), H, lane);
+    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
+    ToLogits<false, kN>(s, ls, mask, masked, row0, n0, lane);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ProbsAndGrads(s[j][e], dp[j][e], lse2[e >> 1], delta[e >> 1], ls);
+    }
+    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim>(acc_dq, dp, sk(buf), 0, H, lane);
+  }
+  StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq, ls.scale, warp * 16, mask.q_len - m0, 0, H,
+                                lane);
+}
+
+// ---- 3. dK, dV -----------------------------------------------------------------------------
+
+template <int kHeadDim>
+struct DkvTraits {
+  static constexpr int kWarps = 4;
+  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA, 16 per warp
+  static constexpr int kBlockM = kHeadDim > 128 ? 32 : 64;  // queries per step
+  // dK and dV accumulators are 16 x kAccDim per warp; at H = 256 they would take 256
+  // registers, so the feature dim is split over two CTAs (each recomputes P and dS).
+  static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
+  static constexpr int kSlices = kHeadDim / kAccDim;
+  static constexpr int kThreads = 32 * kWarps;
+  // K, V, and two buffers each of Q and dO.
+  static constexpr int kSmemBytes =
+      (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
+};
+
+template <typename T, int kHeadDim, bool kMaskable>
+__global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
+    DkvKernel(AttentionParams p, LogitScale ls) {
+  using Tr = DkvTraits<kHeadDim>;
+  constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM, kAcc = Tr::kAccDim;
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sk = reinterpret_cast<T*>(smem_raw);
+  T* sv = sk + kN * kStride;
+  T* sqdo = sv + kN * kStride;  // [buffer][Q, dO]
+  auto sq = [&](int buf) { return sqdo + (2 * buf) * kM * kStride; };
+  auto sdo = [&](int buf) { return sqdo + (2 * buf + 1) * kM * kStride; };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = lane & 3;
+  const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
+  const int slice = blockIdx.x % Tr::kSlices;
+  const int64_t tile = blockIdx.x / Tr::kSlices;
+  const int64_t kv_head = tile / n_blocks;  // b * K + kh
+  const int n_block = static_cast<int>(tile % n_blocks);
+  const int64_t kh = kv_head % p.kv_heads;
+  const int64_t b = kv_head / p.kv_heads;
+  const Mask mask = MakeMask(p, b);
+  const int H = static_cast<int>(p.head_dim);
+  const int n0 = n_block * kN;
+  const int n_last = min(n0 + kN, mask.kv_len) - 1;
+  const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
+  const int key0 = n0 + warp * 16;
+
+  const HeadOffsets off0 = MakeHeadOffsets(p, b, kh, 0);
+  const T* q = static_cast<const T*>(p.q);
+  const T* d_o = static_cast<const T*>(p.d_o);
+
+  float acc_dk[kAcc / 8][4], acc_dv[kAcc / 8][4];
+#pragma unroll
+  for (int j = 0; j < kAcc / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+  }
+
+  int q_lo, q_hi;
+  mask.QueryRange(n0, n_last, &q_lo, &q_hi);
+  const int m_begin = q_lo / kM;
+  const int m_count = q_hi > q_lo ? (q_hi + kM - 1) / kM - m_begin : 0;
+  const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
+  auto load_qdo = [&](int step, int buf) {
+    const int64_t r = step / m_count;
+    const int m0 = (m_begin + step % m_count) * kM;
+    const int64_t base = off0.q + r * p.head_dim + m0 * off0.q_ld;
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq(buf), q + base, off0.q_ld, mask.q_len - m0, H);
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo(buf), d_o + base, off0.q_ld, mask.q_len - m0,
+                                              H);
+  };
+  if (steps > 0) {
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, static_cast<const T*>(p.k) + off0.kv +
+                                                      n0 * off0.kv_ld,
+                                              off0.kv_ld, mask.kv_len - n0, H);
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv, static_cast<const T*>(p.v) + off0.kv +
+                                                      n0 * off0.kv_ld,
+                                              off0.kv_ld, mask.kv_len - n0, H);
+    load_qdo(0, 0);
+    CpAsyncCommit();
+  }
+  for (int step = 0; step < steps; ++step) {
+    const int buf = step & 1;
+    const int64_t r = step / m_count;
+    const int m0 = (m_begin + step % m_count) * kM;
+    CpAsyncWait<0>();
+    __syncthreads();  // Q/dO of this step in smem; every warp is done with the other buffer
+    if (step + 1 < steps) {
+      load_qdo(step + 1, buf ^ 1);
+      CpAsyncCommit();
+    }
+    // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
+    const int64_t stats = off0.stats + r * p.q_len;
+    float s[kM / 8][4], dp[kM / 8][4];
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+    }
+    ScoresFromSmem<T, kHeadDim, kM>(s, sk, warp * 16, sq(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kM>(dp, sv, warp * 16, sdo(buf), H, lane);
+    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
+    ToLogits<true, kM>(s, ls, mask, masked, key0, m0, lane);
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+      float lse2[2], delta[2];
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int i = m0 + 8 * j + 2 * t + c;
+        // Queries past T: lse = +inf gives p = 0 (their Q and dO rows are zeros anyway).
+        lse2[c] = i < mask.q_len ? p.lse[stats + i] * kLog2e : INFINITY;
+        delta[c] = i < mask.q_len ? p.delta[stats + i] : 0.f;
+      }
+#pragma unroll
+      for (int e = 0; e < 4; ++e) ProbsAndGrads(s[j][e], dp[j][e], lse2[e & 1], delta[e & 1], ls);
+    }
+    AccumulateFromRegs<T, kM, kAcc, kHeadDim>(acc_dv, s, sdo(buf), col0, H, lane);
+    AccumulateFromRegs<T, kM, kAcc, kHeadDim>(acc_dk, dp, sq(buf), col0, H, lane);
+  }
+  T* dk = static_cast<T*>(p.dk) + off0.kv + n0 * off0.kv_ld;
+  T* dv = static_cast<T*>(p.dv) + off0.kv + n0 * off0.kv_ld;
+  StoreAccumulator<T, kAcc>(dk, off0.kv_ld, acc_dk, ls.scale, warp * 16, mask.kv_len - n0, col0,
+                            H, lane);
+  StoreAccumulator<T, kAcc>(dv, off0.kv_ld, acc_dv, 1.f, warp * 16, mask.kv_len - n0, col0, H,
+                            lane);
+}
+
+template <typename T, int kHeadDim, bool kMaskable>
+cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
+  const LogitScale ls = MakeLogitScale(p.scale, p.softcap);
+  const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
+  if (q_rows > 0) {
+    const int64_t blocks = CeilDiv(q_rows * 32, 256);
+    if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+    DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
+    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+
+    using Dq = DqTraits<kHeadDim>;
+    auto dq_kernel = DqKernel<T, kHeadDim, kMaskable>;
+    JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(dq_kernel, Dq::kSmemBytes));
+    dim3 grid;
+    JAXGPU_RETURN_IF_CUDA_ERROR(
+        FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Dq::kBlockM), &grid));
+    dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p, ls);
+    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  }
+  if (p.batch * p.kv_len * p.kv_heads > 0) {
+    using Dkv = DkvTraits<kHeadDim>;
+    auto dkv_kernel = DkvKernel<T, kHeadDim, kMaskable>;
+    JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(dkv_kernel, Dkv::kSmemBytes));
+    dim3 grid;
+    JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(p.batch * p.kv_heads,
+                                         CeilDiv(p.kv_len, Dkv::kBlockN) * Dkv::kSlices, &grid));
+    dkv_kernel<<<grid, Dkv::kThreads, Dkv::kSmemBytes, stream>>>(p, ls);
+    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+  }
+  return cudaSuccess;
+}
+
+}  // namespace
+}  // namespace attention
+
+cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
+      // Keys past S in the last tile must be masked in the softmax sums (DqTraits's tile).
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
+        return Launch<T, D, kMaskable>(p, stream);
+      });
+    });
+  });
+}
+
+}  // namespace jaxgpu::cuda

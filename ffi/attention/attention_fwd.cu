@@ -1,0 +1,210 @@
+// Attention forward on tensor cores (mma.sync m16n8k16, sm_80+): FlashAttention-2's
+// schedule. One CTA owns kBlockM queries of one query head; each warp owns 16 * kMTiles
+// query rows and keeps their scores, probabilities and output accumulator in registers.
+// The CTA walks the key tiles the mask leaves visible (fully masked tiles are never
+// loaded), with an online softmax in the log2 domain; it writes o and the log-sum-exp.
+//
+// Pipeline (one K and one V buffer): V_j's copy overlaps Q K_j^T, K_{j+1}'s copy overlaps the
+// softmax and P V_j.
+#include <cuda_runtime.h>
+
+#include "attention/attention_cuda.h"
+#include "attention/attention_launch.cuh"
+#include "attention/attention_tile.cuh"
+
+namespace jaxgpu::cuda {
+namespace attention {
+namespace {
+
+template <int kHeadDim>
+struct FwdTraits {
+  // 4 warps x 2 row tiles (128 queries per CTA) up to H = 128: two row tiles per warp
+  // halve the shared-memory reads per MMA (each K/V fragment feeds both), the limit of an
+  // mma.sync loop on the H100 (128 B/clk/SM of ldmatrix against ~2 kFLOP/clk/SM of MMA).
+  // H = 256 keeps one row tile: its 128 output accumulators per thread leave no room.
+  // Key tiles of 32 at H >= 128 keep scores + output accumulators within 255 registers.
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kBlockM = 16 * kWarps * kMTiles;
+  static constexpr int kBlockN = kHeadDim >= 128 ? 32 : 64;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kSmemBytes =
+      (kBlockM + 2 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+};
+
+template <typename T, int kHeadDim, bool kMaskable>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
+    AttentionFwdKernel(AttentionParams p, LogitScale ls) {
+  using Tr = FwdTraits<kHeadDim>;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
+  constexpr int kStride = SmemTile<kHeadDim>::kStride;
+  extern __shared__ __align__(16) unsigned char smem_raw[];
+  T* sq = reinterpret_cast<T*>(smem_raw);
+  T* sk = sq + kM * kStride;
+  T* sv = sk + kN * kStride;
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2, t = lane & 3;
+  const int m_blocks = (static_cast<int>(p.q_len) + kM - 1) / kM;
+  const int64_t head = blockIdx.x / m_blocks;
+  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);  // causal: longest first
+  const int64_t r = head % p.group;
+  const int64_t kh = (head / p.group) % p.kv_heads;
+  const int64_t b = head / (p.group * p.kv_heads);
+  const HeadOffsets off = MakeHeadOffsets(p, b, kh, r);
+  const Mask mask = MakeMask(p, b);
+  const int H = static_cast<int>(p.head_dim);
+  const int m0 = m_block * kM;
+  const int m_last = min(m0 + kM, mask.q_len) - 1;
+
+  const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
+  const T* k = static_cast<const T*>(p.k) + off.kv;
+  const T* v = static_cast<const T*>(p.v) + off.kv;
+  T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
+  float* lse = p.lse + off.stats + m0;
+
+  int key_lo, key_hi;
+  mask.KeyRange(m0, m_last, &key_lo, &key_hi);
+  const int n_begin = key_lo / kN;
+  const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
+
+  float acc_o[kMT][kHeadDim / 8][4];
+  float row_max[kMT][2], row_sum[kMT][2];
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][j][e] = 0.f;
+    }
+    row_max[mi][0] = row_max[mi][1] = -INFINITY;
+    row_sum[mi][0] = row_sum[mi][1] = 0.f;
+  }
+
+  if (n_begin < n_end) {
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, k + n_begin * kN * off.kv_ld, off.kv_ld,
+                                              mask.kv_len - n_begin * kN, H);
+    CpAsyncCommit();
+  }
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int n0 = nb * kN;
+    CpAsyncWait<0>();
+    __syncthreads();  // K_nb in smem; every warp is done with V_{nb-1}
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv, v + n0 * off.kv_ld, off.kv_ld,
+                                              mask.kv_len - n0, H);
+    CpAsyncCommit();
+
+    float acc_s[kMT][kN / 8][4];
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_s[mi][j][e] = 0.f;
+      }
+      ScoresFromSmem<T, kHeadDim, kN>(acc_s[mi], sq, (warp * kMT + mi) * 16, sk, H, lane);
+    }
+
+    CpAsyncWait<0>();
+    __syncthreads();  // V_nb in smem; every warp is done with K_nb
+    if (nb + 1 < n_end) {
+      LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, k + (n0 + kN) * off.kv_ld, off.kv_ld,
+                                                mask.kv_len - n0 - kN, H);
+      CpAsyncCommit();
+    }
+
+    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) {
+      const int row0 = m0 + (warp * kMT + mi) * 16;
+      ToLogits<false, kN>(acc_s[mi], ls, mask, masked, row0, n0, lane);
+      // Online softmax: rows g and g + 8 of the row tile, reduced over the quad.
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float mx = row_max[mi][h];
+#pragma unroll
+        for (int j = 0; j < kN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s[mi][j][2 * h], acc_s[mi][j][2 * h + 1]));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+        // Nothing visible yet: keep the sums at 0 (exp2(-inf - 0) = 0, never NaN).
+        const float base = mx == -INFINITY ? 0.f : mx;
+        const float correction = FastExp2(row_max[mi][h] - base);
+        row_max[mi][h] = mx;
+        float sum = 0.f;
+#pragma unroll
+        for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+          for (int c = 0; c < 2; ++c) {
+            const float pe = FastExp2(acc_s[mi][j][2 * h + c] - base);
+            acc_s[mi][j][2 * h + c] = pe;
+            sum += pe;
+          }
+        }
+        row_sum[mi][h] = row_sum[mi][h] * correction + sum;
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          acc_o[mi][j][2 * h] *= correction;
+          acc_o[mi][j][2 * h + 1] *= correction;
+        }
+      }
+      AccumulateFromRegs<T, kN, kHeadDim, kHeadDim>(acc_o[mi], acc_s[mi], sv, 0, H, lane);
+    }
+  }
+
+  // Epilogue: normalize and store o (rows past T and columns past H are not stored) and
+  // the natural-log LSE; a row that saw nothing gets o = 0 and lse = -inf.
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mi][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.0f / sum : 0.f;
+      const int row = (warp * kMT + mi) * 16 + g + 8 * h;
+      if (m0 + row < mask.q_len) {
+#pragma unroll
+        for (int j = 0; j < kHeadDim / 8; ++j) {
+          const int col = 8 * j + 2 * t;
+          if (col < H) {
+            *reinterpret_cast<uint32_t*>(o + row * off.q_ld + col) =
+                MmaType<T>::Pack(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
+          }
+        }
+        if (t == 0) lse[row] = sum > 0.f ? (row_max[mi][h] + __log2f(sum)) * kLn2 : -INFINITY;
+      }
+    }
+  }
+}
+
+template <typename T, int kHeadDim, bool kMaskable>
+cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
+  using Tr = FwdTraits<kHeadDim>;
+  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable>;
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(kernel, Tr::kSmemBytes));
+  dim3 grid;
+  JAXGPU_RETURN_IF_CUDA_ERROR(
+      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace attention
+
+cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
+      // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
+        return Launch<T, D, kMaskable>(p, stream);
+      });
+    });
+  });
+}
+
+}  // namespace jaxgpu::cuda

@@ -1,0 +1,61 @@
+// Host-side pieces every attention launcher shares: what the kernels accept, the dtype
+// switch, the flattened grid, and the opt-in to more than 48 KiB of shared memory.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "attention/attention_mask.cuh"
+#include "attention/attention_params.h"
+
+#define JAXGPU_RETURN_IF_CUDA_ERROR(expr)      \
+  do {                                         \
+    cudaError_t _err = (expr);                 \
+    if (_err != cudaSuccess) return _err;      \
+  } while (0)
+
+// The tensor-core kernels take 16-bit inputs only (float32 runs the XLA path; see
+// jaxgpu/ops/attention.py).
+#define JAXGPU_ATTENTION_DTYPE_SWITCH(dtype, T, ...)                              \
+  [&] {                                                                           \
+    if ((dtype) == ::jaxgpu::DType::kBF16) { using T = __nv_bfloat16; return __VA_ARGS__(); } \
+    using T = __half;                                                             \
+    return __VA_ARGS__();                                                         \
+  }()
+
+namespace jaxgpu::cuda::attention {
+
+// The handler has validated shapes; these are the limits of the CUDA kernels themselves.
+inline cudaError_t CheckLaunchable(const AttentionParams& p) {
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) return cudaErrorInvalidValue;
+  if (p.head_dim % 8 != 0 || p.head_dim > 256 || p.head_dim < 8) return cudaErrorInvalidValue;
+  return cudaSuccess;
+}
+
+// Whether any tile can hold a masked element: otherwise the kernels compile the mask out.
+inline bool NeedsMask(const AttentionParams& p, int block_n) {
+  const Mask m = MakeMask(p, 0);
+  return m.causal || m.left >= 0 || m.right >= 0 || m.q_seg != nullptr ||
+         p.kv_len % block_n != 0;
+}
+
+// Blocks of a grid that enumerates (head, tile) pairs with the tile index fastest: the
+// CTAs of one head run together and share its K/V (or Q/dO) tiles through L2.
+inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
+  const int64_t n = heads * tiles;
+  if (n > INT32_MAX) return cudaErrorInvalidConfiguration;
+  *grid = dim3(static_cast<unsigned>(n));
+  return cudaSuccess;
+}
+
+// Kernels with more than 48 KiB of dynamic shared memory must opt in, once per kernel.
+template <typename Kernel>
+cudaError_t AllowDynamicSmem(Kernel kernel, int bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
+}
+
+}  // namespace jaxgpu::cuda::attention

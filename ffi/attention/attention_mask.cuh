@@ -1,0 +1,76 @@
+// Which keys a query sees (causal, local window, segment ids, sequence tails), per element
+// and per tile, shared by the forward and backward kernels. Semantics: attention_params.h.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/attention_params.h"
+
+namespace jaxgpu::cuda::attention {
+
+// Positions fit in int: the handler rejects T, S >= 2^31, and the launcher turns a window
+// side that reaches past the sequence into "unbounded" (-1), so i + right cannot overflow.
+struct Mask {
+  int q_len;
+  int kv_len;
+  bool causal;
+  int left;                // -1: unbounded
+  int right;               // -1: unbounded
+  const int32_t* q_seg;    // this batch row's segment ids, or nullptr
+  const int32_t* kv_seg;
+
+  __device__ __forceinline__ bool Visible(int i, int j) const {
+    bool ok = j < kv_len;
+    if (causal) ok = ok && j <= i;
+    if (left >= 0) ok = ok && j >= i - left;
+    if (right >= 0) ok = ok && j <= i + right;
+    return ok;
+  }
+
+  // Keys [lo, hi) that some query in [i0, i1] sees (segments aside): the kv tiles outside
+  // are fully masked and skipped.
+  __device__ __forceinline__ void KeyRange(int i0, int i1, int* lo, int* hi) const {
+    int h = kv_len - 1;
+    if (causal) h = min(h, i1);
+    if (right >= 0) h = min(h, i1 + right);
+    *lo = left >= 0 ? max(0, i0 - left) : 0;
+    *hi = h + 1;
+  }
+
+  // Queries [lo, hi) that see some key in [j0, j1] (segments aside).
+  __device__ __forceinline__ void QueryRange(int j0, int j1, int* lo, int* hi) const {
+    int l = 0;
+    if (causal) l = max(l, j0);
+    if (right >= 0) l = max(l, j0 - right);
+    int h = q_len - 1;
+    if (left >= 0) h = min(h, j1 + left);
+    *lo = l;
+    *hi = h + 1;
+  }
+
+  // True when every (i, j) in [i0, i1] x [j0, j1] is visible: the tile skips the
+  // per-element mask (the common case away from the diagonal and the tails).
+  __device__ __forceinline__ bool TileFullyVisible(int i0, int i1, int j0, int j1) const {
+    if (q_seg != nullptr || j1 >= kv_len) return false;
+    if (causal && j1 > i0) return false;
+    if (left >= 0 && j0 < i1 - left) return false;
+    if (right >= 0 && j1 > i0 + right) return false;
+    return true;
+  }
+};
+
+// The mask of batch row b, with window sides normalized (see Mask).
+__host__ __device__ inline Mask MakeMask(const AttentionParams& p, int64_t b) {
+  Mask m;
+  m.q_len = static_cast<int>(p.q_len);
+  m.kv_len = static_cast<int>(p.kv_len);
+  m.causal = p.causal;
+  m.left = (p.window_left < 0 || p.window_left >= p.q_len) ? -1 : static_cast<int>(p.window_left);
+  m.right = (p.window_right < 0 || p.window_right >= p.kv_len) ? -1
+                                                               : static_cast<int>(p.window_right);
+  m.q_seg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
+  m.kv_seg = p.kv_segment_ids ? p.kv_segment_ids + b * p.kv_len : nullptr;
+  return m;
+}
+
+}  // namespace jaxgpu::cuda::attention

@@ -1,0 +1,195 @@
+// Tile shapes of the mma.sync attention kernels, and the per-tile pieces the forward and
+// the backward kernels share: Q K^T into registers, masking of a score tile, and where a
+// (batch, head) slice starts in memory. No XLA types.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/attention_mask.cuh"
+#include "attention/attention_mma.cuh"
+#include "attention/attention_params.h"
+
+namespace jaxgpu::cuda::attention {
+
+// The head dims the kernels are compiled for; H <= kHeadDim runs in the smallest that fits
+// with zero-filled feature columns (H is a multiple of 8: the Python layer pads odd ones).
+// 160..224 run in the 256 kernels: each extra head dim costs ~1 min of CI compile time.
+inline int PaddedHeadDim(int64_t h) {
+  if (h <= 32) return 32;
+  if (h <= 64) return 64;
+  if (h <= 96) return 96;
+  if (h <= 128) return 128;
+  return 256;
+}
+
+#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                  \
+  [&] {                                                                    \
+    switch (::jaxgpu::cuda::attention::PaddedHeadDim(h)) {                 \
+      case 32: { constexpr int D = 32; return __VA_ARGS__(); }             \
+      case 64: { constexpr int D = 64; return __VA_ARGS__(); }             \
+      case 96: { constexpr int D = 96; return __VA_ARGS__(); }             \
+      case 128: { constexpr int D = 128; return __VA_ARGS__(); }           \
+      default: { constexpr int D = 256; return __VA_ARGS__(); }            \
+    }                                                                      \
+  }()
+
+// Offsets of one (batch b, kv head kh, query head r) slice, in elements (layouts:
+// attention_params.h).
+struct HeadOffsets {
+  int64_t q;         // of q[b, 0, kh, r, 0] (also o, do, dq)
+  int64_t kv;        // of k[b, 0, kh, 0] (also v, dk, dv)
+  int64_t stats;     // of lse[b, kh, r, 0] (also delta)
+  int64_t q_ld;      // elements between consecutive queries: K * R * H
+  int64_t kv_ld;     // between consecutive keys: K * H
+};
+
+__device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p, int64_t b,
+                                                       int64_t kh, int64_t r) {
+  HeadOffsets o;
+  o.q_ld = p.kv_heads * p.group * p.head_dim;
+  o.kv_ld = p.kv_heads * p.head_dim;
+  o.q = b * p.q_len * o.q_ld + (kh * p.group + r) * p.head_dim;
+  o.kv = b * p.kv_len * o.kv_ld + kh * p.head_dim;
+  o.stats = ((b * p.kv_heads + kh) * p.group + r) * p.q_len;
+  return o;
+}
+
+// Scores of a warp's 16 rows of A (rows a_row0.. of tile A) against the kN rows of tile B,
+// both (rows, kDim) in smem: acc[n-tile][4] += A B^T over feature columns [0, dim).
+template <typename T, int kDim, int kN>
+__device__ __forceinline__ void ScoresFromSmem(float (&acc)[kN / 8][4], const T* a_tile,
+                                               int a_row0, const T* b_tile, int dim, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    if (kk * 16 < dim) {  // feature columns past H are zeros: skip them
+      uint32_t a[4];
+      LoadA<kDim>(a, a_tile, a_row0, kk * 16, lane);
+#pragma unroll
+      for (int nn = 0; nn < kN / 16; ++nn) {
+        uint32_t b[4];
+        LoadBNk<kDim>(b, b_tile, nn * 16, kk * 16, lane);
+        MmaType<T>::Mma(acc[2 * nn], a, b[0], b[1]);
+        MmaType<T>::Mma(acc[2 * nn + 1], a, b[2], b[3]);
+      }
+    }
+  }
+}
+
+// acc += P B over the kK rows of a smem tile B, for output columns [col0, col0 + kAcc):
+// P (16 x kK per warp) is in registers as C tiles, converted to 16-bit A fragments on the
+// fly; B is (kK, kTileDim) with n contiguous (V, dO, Q or K). Columns past `dim` are zeros
+// and skipped.
+template <typename T, int kK, int kAcc, int kTileDim>
+__device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kAcc / 8][4],
+                                                   const float (&p)[kK / 8][4], const T* b_tile,
+                                                   int col0, int dim, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    uint32_t a[4];
+    a[0] = MmaType<T>::Pack(p[2 * kk][0], p[2 * kk][1]);
+    a[1] = MmaType<T>::Pack(p[2 * kk][2], p[2 * kk][3]);
+    a[2] = MmaType<T>::Pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
+    a[3] = MmaType<T>::Pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+#pragma unroll
+    for (int nn = 0; nn < kAcc / 16; ++nn) {
+      if (col0 + nn * 16 < dim) {
+        uint32_t b[4];
+        LoadBKn<kTileDim>(b, b_tile, kk * 16, col0 + nn * 16, lane);
+        MmaType<T>::Mma(acc[2 * nn], a, b[0], b[1]);
+        MmaType<T>::Mma(acc[2 * nn + 1], a, b[2], b[3]);
+      }
+    }
+  }
+}
+
+// Stores a warp's 16 x kAcc accumulator (times `mul`) as 16-bit rows [row0, row0 + 16) of a
+// global matrix with row stride ld, columns [col0, ...); rows at or past valid_rows and
+// columns at or past dim are skipped.
+template <typename T, int kAcc>
+__device__ __forceinline__ void StoreAccumulator(T* out, int64_t ld, const float (&acc)[kAcc / 8][4],
+                                                 float mul, int row0, int valid_rows, int col0,
+                                                 int dim, int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+    if (row < valid_rows) {
+#pragma unroll
+      for (int j = 0; j < kAcc / 8; ++j) {
+        const int col = col0 + 8 * j + 2 * t;
+        if (col < dim) {
+          *reinterpret_cast<uint32_t*>(out + row * ld + col) =
+              MmaType<T>::Pack(acc[j][2 * h] * mul, acc[j][2 * h + 1] * mul);
+        }
+      }
+    }
+  }
+}
+
+// Scores to log2-domain logits, in place: x * scale (softcapped if cap > 0) * log2(e), and
+// -inf where masked. Element e of n-tile j of a warp's 16 x kN tile is at row
+// row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
+// dK/dV kernel (kTransposed: rows are keys, columns queries).
+struct LogitScale {
+  float scale_log2;  // scale * log2(e)
+  float scale;
+  float cap;         // 0: no softcap
+  float inv_cap;
+};
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr float kLn2 = 0.6931471805599453f;
+
+inline LogitScale MakeLogitScale(float scale, float cap) {
+  LogitScale s;
+  s.scale_log2 = scale * kLog2e;
+  s.scale = scale;
+  s.cap = cap;
+  s.inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
+  return s;
+}
+
+template <bool kTransposed, int kN>
+__device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitScale& ls,
+                                         const Mask& mask, bool masked, int row0, int col0,
+                                         int lane) {
+  const int g = lane >> 2, t = lane & 3;
+  int32_t row_seg[2] = {0, 0};
+  if (masked && mask.q_seg != nullptr) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int r = row0 + g + 8 * h;
+      if (!kTransposed) row_seg[h] = r < mask.q_len ? mask.q_seg[r] : 0;
+      else row_seg[h] = r < mask.kv_len ? mask.kv_seg[r] : 0;
+    }
+  }
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+    int32_t col_seg[2] = {0, 0};
+    if (masked && mask.q_seg != nullptr) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const int col = col0 + 8 * j + 2 * t + c;
+        if (!kTransposed) col_seg[c] = col < mask.kv_len ? mask.kv_seg[col] : 0;
+        else col_seg[c] = col < mask.q_len ? mask.q_seg[col] : 0;
+      }
+    }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float x = acc[j][e];
+      x = ls.cap > 0.f ? Softcap(x * ls.scale, ls.cap, ls.inv_cap) * kLog2e : x * ls.scale_log2;
+      if (masked) {
+        const int r = row0 + g + 8 * (e >> 1);
+        const int c = col0 + 8 * j + 2 * t + (e & 1);
+        const int i = kTransposed ? c : r;
+        const int k = kTransposed ? r : c;
+        bool ok = mask.Visible(i, k);
+        if (mask.q_seg != nullptr) ok = ok && row_seg[e >> 1] == col_seg[e & 1];
+        if (!ok) x = -INFINITY;
+      }
+      acc[j][e] = x;
+    }
+  }
+}
+
+}  // namespace jaxgpu::cuda::attention
