@@ -13,6 +13,7 @@ __path__ = pkgutil.extend_path(__path__, __name__)
 
 from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
 from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
+from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
@@ -24,6 +25,7 @@ __all__ = [
     "IMPLEMENTATIONS",
     "available_implementations",
     "cross_entropy",
+    "dot_product_attention",
     "geglu",
     "gelu",
     "layer_norm",

@@ -19,7 +19,9 @@ REPO = Path(__file__).resolve().parents[1]
 # Every public op is traceable by name: its FFI targets are jaxgpu_<op>_fwd and _bwd.
 OPS = [name for name in jaxgpu.__all__
        if callable(getattr(jaxgpu, name)) and getattr(jaxgpu, name).__module__.startswith("jaxgpu.ops")]
-OP_TARGETS = {f"jaxgpu_{op}_{p}" for op in OPS for p in ("fwd", "bwd")}
+# The target stem is the op's name, except where the op keeps jax.nn's longer name.
+TARGET_STEMS = {"dot_product_attention": "attention"}
+OP_TARGETS = {f"jaxgpu_{TARGET_STEMS.get(op, op)}_{p}" for op in OPS for p in ("fwd", "bwd")}
 
 
 def test_public_api():
