@@ -1,0 +1,271 @@
+"""Benchmark dot_product_attention: TFLOP/s forward and forward+backward against cuDNN.
+
+    python3 benchmarks/bench_attention.py                 # GPU: writes results/
+    python3 benchmarks/bench_attention.py --out $OUT      # also writes $OUT/<gpu>.json, RESULTS.md
+    python3 benchmarks/bench_attention.py --quick --no-write   # CPU smoke test: cpu vs xla
+
+Implementations, timed in the same run on the same inputs (bf16, B*T = 16k tokens):
+  cuda    jaxgpu.dot_product_attention (the kernels; 'cpu' on a CPU)
+  cudnn   jax.nn.dot_product_attention(implementation='cudnn'): the anchor (vs anchor =
+          cuDNN's time / this time)
+  pallas  jax.experimental.pallas.ops.gpu.attention.mha (Triton; MHA only, no GQA)
+  xla     jax.nn.dot_product_attention(implementation='xla'): only at T <= 4k and H = 128
+          (it materializes B*N*T*S float32 logits)
+An implementation that cannot run a case (not built, out of memory, unsupported head dim
+or option) is recorded as skipped, with the reason, under the family's "skipped" key in the
+results JSON: it never costs the others their figures.
+
+FLOPs (DESIGN.md section 6): 4*B*T*S*N*H for the forward pass, halved under the causal
+mask; the backward pass counts 2.5x the forward, so forward+backward is 3.5x.
+
+Targets (on the H100): forward >= 360 and forward+backward >= 300 TFLOP/s at H = 128,
+T >= 4k. The 'attn+options' case (logit softcap, a local window and segment ids: cuDNN
+has no softcap or segment ids) is an overhead probe: its window and segment ids mask
+nothing, so the work equals the plain case of the same shape, and its time must stay
+within 15% of that plain case's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
+
+import harness  # noqa: E402
+
+FAMILY = "attention"
+ANCHOR = "cudnn"
+DTYPE = "bfloat16"
+TOKENS = 16384  # B * T
+
+TARGET_FWD_TFLOPS = 360.0
+TARGET_FWD_BWD_TFLOPS = 300.0
+TARGET_OPTIONS_SLOWDOWN = 1.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Case:
+    op: str            # the harness's op column (<= 18 characters)
+    t: int             # T = S
+    n: int             # query heads
+    k: int             # kv heads
+    h: int             # head dim
+    causal: bool
+    options: bool = False  # softcap + window + segment ids (masking nothing)
+    tokens: int = TOKENS
+
+    @property
+    def b(self) -> int:
+        return max(1, self.tokens // self.t)
+
+    def label(self) -> str:
+        return (f"b{self.b}t{self.t}n{self.n}" + (f"k{self.k}" if self.k != self.n else "")
+                + f"h{self.h}" + ("-causal" if self.causal else ""))
+
+    def flops(self, pass_: str) -> float:
+        f = 4.0 * self.b * self.t * self.t * self.n * self.h * (0.5 if self.causal else 1.0)
+        return f if pass_ == "fwd" else 3.5 * f
+
+    def kwargs(self) -> dict:
+        """jaxgpu.dot_product_attention's options (segment ids are inputs)."""
+        if not self.options:
+            return dict(is_causal=self.causal)
+        return dict(is_causal=self.causal, logit_softcap=30.0,
+                    local_window_size=(self.t, self.t))
+
+    def targeted(self) -> bool:
+        return self.h == 128 and self.t >= 4096 and not self.options
+
+
+# N * H = 2048 (a 2048-wide attention layer) for every head dim; GQA as Llama 3 8B (32/8).
+CASES = [Case("attention", t, 16, 16, 128, c) for t in (1024, 4096, 16384) for c in (False, True)]
+CASES += [Case("attention", 4096, 32, 32, 64, c) for c in (False, True)]
+CASES += [Case("attention", 4096, 8, 8, 256, c) for c in (False, True)]
+CASES += [Case("attention-gqa", 4096, 32, 8, 128, True),
+          Case("attn+options", 4096, 16, 16, 128, False, options=True)]
+QUICK_CASES = [Case("attention", 64, 2, 2, 32, False, tokens=128),
+               Case("attention", 64, 2, 2, 59, True, tokens=128),
+               Case("attention-gqa", 64, 4, 2, 32, True, tokens=128),
+               Case("attn+options", 64, 2, 2, 32, False, options=True, tokens=128)]
+
+
+def supported(impl: str, case: Case, quick: bool = False) -> str | None:
+    """Why `impl` does not run `case` (None: it does)."""
+    if case.options and impl in ("cudnn", "pallas", "xla"):
+        return "no logit softcap / segment ids"
+    if impl == "pallas" and case.k != case.n:
+        return "MHA only (no GQA)"
+    if impl == "xla" and not quick and (case.t > 4096 or case.h != 128):
+        return "skipped by design: B*N*T*S float32 logits (run at T <= 4k, H = 128 only)"
+    return None
+
+
+def attention_fn(impl: str, case: Case):
+    """(q, k, v, q_seg, kv_seg) -> o for one implementation."""
+    import jax
+
+    import jaxgpu
+
+    scale = 1.0 / math.sqrt(case.h)
+    if impl in ("cuda", "cpu"):
+        kw = case.kwargs()
+
+        def fn(q, k, v, q_seg, kv_seg):
+            return jaxgpu.dot_product_attention(q, k, v, scale=scale, q_segment_ids=q_seg,
+                                                kv_segment_ids=kv_seg, implementation=impl,
+                                                **kw)
+        return fn
+    if impl in ("cudnn", "xla"):
+        return lambda q, k, v, q_seg, kv_seg: jax.nn.dot_product_attention(
+            q, k, v, scale=scale, is_causal=case.causal, implementation=impl)
+    if impl == "pallas":
+        from jax.experimental.pallas.ops.gpu import attention as pallas_attention
+
+        return lambda q, k, v, q_seg, kv_seg: pallas_attention.mha(
+            q, k, v, None, sm_scale=scale, causal=case.causal)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def make_fwd(impl: str, case: Case):
+    import jax
+
+    return jax.jit(attention_fn(impl, case))
+
+
+def make_fwd_bwd(impl: str, case: Case):
+    """Forward + backward through jax.vjp with a random cotangent; returns o too (a training
+    step uses it, and without it XLA could drop the anchor's forward as dead code)."""
+    import jax
+
+    fn = attention_fn(impl, case)
+
+    def step(q, k, v, q_seg, kv_seg, do):
+        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_seg, kv_seg), q, k, v)
+        return o, vjp(do)
+
+    return jax.jit(step)
+
+
+def make_inputs(key, case: Case, dtype, pass_: str):
+    """(q, k, v, q_seg, kv_seg[, do]): random normal, never zeros. The segment ids (options
+    case only) are one segment per sequence: they mask nothing, as the window does not."""
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = harness.random_array(kq, (case.b, case.t, case.n, case.h), dtype)
+    k = harness.random_array(kk, (case.b, case.t, case.k, case.h), dtype)
+    v = harness.random_array(kv, (case.b, case.t, case.k, case.h), dtype)
+    segs = (None, None)
+    if case.options:
+        segs = (jnp.zeros((case.b, case.t), jnp.int32), jnp.zeros((case.b, case.t), jnp.int32))
+    args = (q, k, v) + segs
+    if pass_ == "fwd":
+        return args
+    return args + (harness.random_array(kd, q.shape, dtype),)
+
+
+def _skip(skipped: list, case: Case, pass_: str, impl: str, why: str) -> None:
+    msg = f"{case.op} {case.label()} {pass_} {impl}: {why}"
+    print(f"   skipped {msg}", flush=True)
+    skipped.append(msg)
+
+
+def _runnable(fns: dict, arg_sets, case: Case, pass_: str, skipped: list) -> dict:
+    """The implementations that run one call of this case; the others are skipped with the
+    first line of their error (out of memory, an unsupported head dim, not built)."""
+    import jax
+
+    ok = {}
+    for impl, fn in fns.items():
+        try:
+            jax.block_until_ready(fn(*arg_sets[0]))
+            ok[impl] = fn
+        except Exception as e:  # noqa: BLE001 (any failure of a baseline is a skip)
+            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+            _skip(skipped, case, pass_, impl,
+                  ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
+    return ok
+
+
+def _mark_targets(bench: harness.Bench, case: Case, pass_: str, recs, plain_times) -> None:
+    if not bench.on_gpu:
+        return
+    for r in recs:
+        if r.implementation != "cuda":
+            continue
+        if case.targeted():
+            goal = TARGET_FWD_TFLOPS if pass_ == "fwd" else TARGET_FWD_BWD_TFLOPS
+            r.target = f">= {goal:.0f} TFLOP/s"
+            r.target_met = r.tflops is not None and r.tflops >= goal
+        elif case.options and (case.t, case.h, pass_) in plain_times:
+            plain = plain_times[(case.t, case.h, pass_)]
+            r.target = (f"<= {TARGET_OPTIONS_SLOWDOWN:.2f}x the plain case's time "
+                        f"({r.time_us / plain:.2f}x)")
+            r.target_met = r.time_us <= TARGET_OPTIONS_SLOWDOWN * plain
+
+
+def run(bench: harness.Bench) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    import jaxgpu  # fail here, once, rather than in every case
+    del jaxgpu
+
+    kernel = "cuda" if bench.on_gpu else "cpu"
+    if bench.args.impl:
+        impls = tuple(harness.default_implementations(bench.args))
+    else:
+        impls = (kernel, ANCHOR, "pallas", "xla")
+    if not bench.args.repeats and not bench.quick:
+        bench.config.repeats = 5  # ~24 cases x 4 implementations within a few GPU minutes
+    dtype = jnp.dtype(DTYPE)
+    cases = QUICK_CASES if bench.quick else CASES
+    skipped: list[str] = []
+    plain_times: dict = {}  # (T, H, pass) -> our plain non-causal MHA time, for the probe
+    key = jax.random.PRNGKey(0)
+    for case in cases:
+        for pass_ in ("fwd", "fwd+bwd"):
+            key, sub = jax.random.split(key)
+            one = functools.partial(make_inputs, case=case, dtype=dtype, pass_=pass_)
+            set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
+            arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+                                             max_copies=2 if bench.quick else None)
+            make = make_fwd if pass_ == "fwd" else make_fwd_bwd
+            fns = {}
+            for impl in impls:
+                why = supported(impl, case, bench.quick)
+                if why:
+                    _skip(skipped, case, pass_, impl, why)
+                else:
+                    fns[impl] = make(impl, case)
+            fns = _runnable(fns, arg_sets, case, pass_, skipped)
+            if not fns:
+                continue
+            recs = bench.run_case(op=case.op, case=case.label(), pass_=pass_,
+                                  shape=(case.b, case.t, case.n, case.h), dtype=dtype, fns=fns,
+                                  arg_sets=arg_sets,
+                                  anchor=ANCHOR if ANCHOR in fns else None,
+                                  flops=case.flops(pass_))
+            if not case.options and not case.causal and case.k == case.n:
+                for r in recs:
+                    if r.implementation == kernel:
+                        plain_times[(case.t, case.h, pass_)] = r.time_us
+            _mark_targets(bench, case, pass_, recs, plain_times)
+            for r in recs:
+                print(f"  {case.op:<14} {case.label():<24} {pass_:<8} {r.implementation:<6} "
+                      f"{r.time_us:10.1f} us {harness.fmt(r.tflops, '7.1f')} TFLOP/s "
+                      f"{harness.fmt(r.vs_anchor, '.2f')}x {ANCHOR}"
+                      + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]"
+                         if r.target else ""), flush=True)
+            del arg_sets, fns
+    bench.meta["skipped"] = skipped
+
+
+if __name__ == "__main__":
+    sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0]))
