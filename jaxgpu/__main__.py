@@ -86,6 +86,13 @@ def public_ops() -> list[str]:
           and getattr(getattr(jaxgpu, name), "__module__", "").startswith("jaxgpu.ops.")]
 
 
+def _target_stem(op: str) -> str:
+  """The stem of an op's FFI targets (jaxgpu_<stem>_fwd): the op's name, unless its module
+  maps it to another (dot_product_attention -> attention)."""
+  module = sys.modules[getattr(jaxgpu, op).__module__]
+  return getattr(module, "TARGET_STEMS", {}).get(op, op)
+
+
 def _default_implementation() -> str:
   """What implementation=None runs on the default backend (as _implementation.resolve)."""
   forced = os.environ.get(_implementation.ENV_VAR, "").strip().lower()
@@ -163,7 +170,7 @@ def info() -> int:
   print("ops (implementations available here, fastest first):")
   for op in ops:
     impls = [impl for impl in available
-             if impl == "xla" or f"jaxgpu_{op}_fwd" in targets.get(impl, ())]
+             if impl == "xla" or f"jaxgpu_{_target_stem(op)}_fwd" in targets.get(impl, ())]
     print(f"  {op:<{width}}  {', '.join(impls)}")
   return 0
 

@@ -33,16 +33,24 @@ lse, delta "g k r t"; q_segment_ids "g t", kv_segment_ids "g s". Replicated (gat
 sharded): h and s always, and t when is_causal or a window is set (the kernels compare
 global query and key positions; passing each shard its offset would need the partitioned
 body to know its shard index).
-  * B and the heads (a mesh axis whose size divides K, so whole kv groups stay together):
-    no collective, forward or backward.
+  * B and the heads, when each head shard holds whole kv groups (the heads' mesh-axis
+    sizes multiply to a divisor of K): no collective, forward or backward.
   * T without is_causal / window: forward no collective; backward one all-reduce (psum) of
     dk and dv over T's mesh axes (each T shard holds a partial sum).
-  * Heads sharded more finely than K (a mesh-axis size that is a multiple of K; MQA: K = 1):
-    the extra split falls on R; k and v are then replicated over it, and the backward pass
-    all-reduces dk and dv over it (every R shard contributes to the same kv heads).
+  * Heads sharded more finely than K, where mesh axes multiplying to exactly K come first
+    and the rest divide R (MQA, K = 1: any head sharding): the extra axes fall on R; k and
+    v are replicated over them, and the backward pass all-reduces dk and dv over them
+    (every R shard contributes to the same kv heads).
   * S, H, and T with is_causal / window: gathered (an all-gather, then local compute).
-  * Explicit mesh (jax.set_mesh with AxisType.Explicit): the same layouts; the head split is
-    done by `_split_heads` below, which states the output sharding (see there).
+  * Explicit mesh (jax.set_mesh with AxisType.Explicit): the same layouts, outputs and
+    gradients sharded as the inputs. A head sharding whose mesh axis would have to be split
+    between K and R (e.g. a size-4 axis over K = 2 kv heads, R = 4) is not expressible as a
+    sharding of (K, R): `_split_heads` then relays q out (an all-to-all onto R when the axes
+    divide R, else a gather of the heads), and the output is relaid back.
+  * Auto mesh, that same head sharding: the partitioner propagates the split as sub-axes
+    of the mesh axis, which custom_partitioning cannot express (jax 0.10/0.11: an
+    IndivisibleError when XLA partitions); shard the heads over axes of whole kv groups
+    (or use an Explicit mesh).
 """
 
 from __future__ import annotations
@@ -63,6 +71,10 @@ from jaxgpu._kernel_op import (Layout, _explicit_spec, _in_explicit_mode, groupe
 
 # The module (jaxgpu.reference re-exports its function under the same name).
 reference = importlib.import_module("jaxgpu.reference.attention")
+
+# The op keeps jax.nn's name; its FFI targets are jaxgpu_attention_{fwd,bwd} (read by
+# `python -m jaxgpu info`).
+TARGET_STEMS = {"dot_product_attention": "attention"}
 
 MAX_HEAD_DIM = 256
 # The CUDA kernels load rows of 16 bytes (8 bf16/f16 features): H is padded to a multiple.
@@ -88,7 +100,8 @@ class _Config:
   primal_types: tuple = (None, None, None)  # of q (5-d), k, v (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_attention_{pass_}", self.implementation)
+    stem = TARGET_STEMS["dot_product_attention"]
+    return _ffi.target_name(f"jaxgpu_{stem}_{pass_}", self.implementation)
 
   def attrs(self) -> dict:
     # Typed as the handlers bind them (attention_handlers.h): a Python float would arrive
