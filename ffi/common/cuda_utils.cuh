@@ -124,6 +124,24 @@ inline int SmCount() {
   return sms > 0 ? sms : 1;
 }
 
+// Dynamic shared memory a block of a kernel may opt into (227 KiB on H100), less the
+// kernel's `static_bytes` of static shared memory (both count against the same limit).
+inline int64_t MaxStagedBytes(int64_t static_bytes) {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    return 48 * 1024 - static_bytes;
+  }
+  return bytes - static_bytes;
+}
+
+// Opts `kernel` into `bytes` of dynamic shared memory: needed above the default 48 KiB.
+template <typename Kernel>
+cudaError_t AllowSmem(Kernel kernel, int64_t bytes) {
+  if (bytes <= 48 * 1024) return cudaSuccess;
+  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
+}
+
 }  // namespace jaxgpu::cuda
 
 // Runtime value -> compile-time type/constant (one instantiation per case).

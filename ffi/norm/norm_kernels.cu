@@ -34,6 +34,7 @@ constexpr int kBlockThreads = 256;
 // Shared scratch of RowSum: 32 floats per row per reduced value; a block has at most
 // 4 rows when rows span more than one warp (tpr >= 64 and 256 threads), 2 values.
 constexpr int kScratchFloats = 4 * 32 * 2;
+constexpr int64_t kScratchBytes = sizeof(float) * kScratchFloats;
 // Register-path blocks stop at 512 threads, so each thread may use 128 registers
 // (65536 per SM). Measured with ptxas (-Xptxas=-warn-spills, sm_90): at the 64-register
 // cap of 1024 threads the forward pass spilled 740 bytes at 8 bf16 vectors per thread,
@@ -658,22 +659,6 @@ int TunedVpt(int which, int fallback) {
   return tuned[which] > 0 ? tuned[which] : fallback;
 }
 
-// Dynamic shared memory a block may opt into (227 KiB on H100), less the static scratch.
-int64_t MaxStagedBytes() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return 48 * 1024;
-  }
-  return bytes - int64_t(sizeof(float)) * kScratchFloats;
-}
-
-template <typename Kernel>
-cudaError_t AllowSmem(Kernel kernel, int64_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-}
-
 struct BwdLaunch {
   BwdKernel kernel;
   RowConfig cfg;
@@ -694,7 +679,7 @@ BwdLaunch SelectBwd(const NormBwdParams& p) {
         // 16384 x 8192, H100): the extra 32 KiB a block cost residency.
         constexpr int kStages = 2;
         const int64_t smem = kStages * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
-        if (!c.loop && smem <= MaxStagedBytes()) {
+        if (!c.loop && smem <= MaxStagedBytes(kScratchBytes)) {
           return JAXGPU_VPT_SWITCH_UPTO4(c.vpt, VPT, [&]() -> BwdLaunch {
             return {NormBwdStaged<T, kFull, VPT, kLayer, kStages>, c, smem};
           });
@@ -726,7 +711,7 @@ cudaError_t LaunchNormFwd(const NormFwdParams& p, cudaStream_t stream) {
         const int tpr = std::min(kBlockThreads, NextPow2(CeilDiv(nvec, TunedVpt(0, 4))));
         const int rpb = kBlockThreads / tpr;
         const int64_t smem = int64_t(rpb) * p.dim * sizeof(T) * (p.residual ? 2 : 1);
-        if (smem <= MaxStagedBytes()) {
+        if (smem <= MaxStagedBytes(kScratchBytes)) {
           auto kernel = p.residual ? NormFwdStaged<T, kFull, kLayer, true>
                                    : NormFwdStaged<T, kFull, kLayer, false>;
           if ((err = AllowSmem(kernel, smem)) != cudaSuccess) return;

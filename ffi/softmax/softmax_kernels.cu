@@ -53,6 +53,7 @@ constexpr int kBlockThreads = 256;
 // Shared scratch of the block reductions: 32 floats per row, at most 4 rows per block when
 // a row spans more than one warp (tpr >= 64 and 256-thread blocks), 2 values (max, sum).
 constexpr int kScratchFloats = 4 * 32 * 2;
+constexpr int64_t kScratchBytes = sizeof(float) * kScratchFloats;
 
 // ---- index math ------------------------------------------------------------------------------
 
@@ -595,22 +596,6 @@ int TunedVpt(int which, int fallback) {
   return v > 0 && v <= kMaxVpt ? v : fallback;
 }
 
-// Dynamic shared memory a block may opt into (227 KiB on H100), less the static scratch.
-int64_t MaxStagedBytes() {
-  int device = 0, bytes = 0;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    return 48 * 1024;
-  }
-  return bytes - int64_t(sizeof(float)) * kScratchFloats;
-}
-
-template <typename Kernel>
-cudaError_t AllowSmem(Kernel kernel, int64_t bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, int(bytes));
-}
-
 struct StagedConfig {
   bool staged;
   int tpr;
@@ -631,7 +616,7 @@ StagedConfig ChooseStaged(int64_t S, int vec, int64_t elem_bytes, int arrays, in
   c.vpt = per_thread <= 2 ? 2 : (per_thread <= 4 ? 4 : kMaxVpt);
   c.rows_per_block = c.tpr >= kBlockThreads ? 1 : kBlockThreads / c.tpr;
   c.smem = int64_t(c.rows_per_block) * arrays * S * elem_bytes;
-  c.staged = per_thread <= kMaxVpt && c.smem <= MaxStagedBytes();
+  c.staged = per_thread <= kMaxVpt && c.smem <= MaxStagedBytes(kScratchBytes);
   return c;
 }
 
