@@ -113,6 +113,10 @@ CASES = [
     Case((17, 4096)),
     Case((2, 65536)),
     Case((2, 17, 40000), causal=True, mask=(40000,)),  # wide rows, mostly past the limit
+    # Rows of several warps on CUDA: warps with nothing kept; whole rows dropped (a mask
+    # broadcast along S).
+    Case((3, 40, 1536), causal=True, mask=(3, 1, 1536)),
+    Case((4, 17, 2048), scale=0.7, mask=(4, 17, 1)),
     Case((1, 70001), scale=0.5),
     Case((1, 1), causal=True),
     Case((17, 1), causal=True),
@@ -285,19 +289,20 @@ def test_fully_masked_rows(dtype, implementation, rng):
   assert not g[~mask].any()          # masked positions get no gradient
 
 
-def test_nan_and_inf_logits(implementation):
+@pytest.mark.parametrize("cols", [8, 4096])  # on CUDA, rows of one thread and of 8 warps
+def test_nan_and_inf_logits(cols, implementation):
   """A kept NaN or +inf logit makes its row NaN (as XLA's softmax); a masked one does not."""
-  x = np.zeros((4, 8), np.float32)
+  x = np.zeros((4, cols), np.float32)
   x[0, 3] = np.nan
   x[1, 5] = np.inf
   x[2, 1] = np.nan                   # masked below
-  mask = np.ones((4, 8), bool)
+  mask = np.ones((4, cols), bool)
   mask[2, 1] = False
   y = np.asarray(jaxgpu.softmax(jnp.asarray(x), mask=jnp.asarray(mask),
                                 implementation=implementation))
   assert np.isnan(y[0]).all() and np.isnan(y[1]).all()
-  np.testing.assert_allclose(y[2], np.where(mask[2], 1 / 7, 0), rtol=1e-6)
-  np.testing.assert_allclose(y[3], 1 / 8, rtol=1e-6)
+  np.testing.assert_allclose(y[2], np.where(mask[2], 1 / (cols - 1), 0), rtol=1e-6)
+  np.testing.assert_allclose(y[3], 1 / cols, rtol=1e-6)
 
 
 def test_matches_jax_nn_softmax(implementation, rng):

@@ -10,7 +10,9 @@
 // Row mapping (as the norm kernels, ffi/norm/norm_kernels.cu): a row of S elements is
 // split into 16-byte vectors of VEC elements; `tpr` threads (a power of two) share a row,
 // thread t owning vectors t, t + tpr, ...; rows narrower than 256 threads share a block
-// (blockDim.y rows). Two kernels per pass:
+// (blockDim.y rows). The forward pass over rows of whole 16-byte vectors, up to 4096 of
+// them, takes one of the one-pass kernels (version 2, SoftmaxFwdPipe or SoftmaxFwdRegs: one
+// exp per element, one reduction per row; see there). Otherwise two kernels per pass:
 //   staged  the row cp.async'ed into shared memory (scalar loads when S is not a whole
 //           number of vectors), then every pass reads it from there: one read of x. The
 //           norm kernels measured why: rows held in registers (66-128 registers a thread)
@@ -19,11 +21,11 @@
 //           or over the shared memory): one row per 1024-thread block, an online
 //           (max, sum) pass and a write pass, so x is read twice (the second mostly from L2).
 //
-// The forward pass is three passes over the staged row: max of the kept logits, sum of
-// exp(logit - max), write exp(logit - max) / sum. Each reduction runs in a fixed order, so
-// results are bitwise reproducible. Which elements are kept (mask & causal) is computed
-// once per thread, before the copies land, into a bit mask in registers (one bit per
-// element it owns: at most 8 vectors of at most 8 elements).
+// The staged forward pass (version 1) is three passes over the staged row: max of the kept
+// logits, sum of exp(logit - max), write exp(logit - max) / sum. Each reduction runs in a
+// fixed order, so results are bitwise reproducible. Which elements are kept (mask & causal)
+// is computed once per thread, before the copies land, into a bit mask in registers (one
+// bit per element it owns: at most 8 vectors of at most 8 elements).
 //
 // Semantics at the edges (the same in softmax_cpu.cc and jaxgpu/reference/softmax.py): a
 // row with nothing kept, or whose kept logits are all -inf, is all zeros (the max is taken
@@ -34,6 +36,8 @@
 #include <algorithm>
 #include <cstdio>
 #include <cstdlib>
+#include <cstring>
+#include <type_traits>
 #include <utility>
 
 #include "common/cuda_utils.cuh"
@@ -107,12 +111,15 @@ struct RowInfo {
   int last;          // last kept key: the query index (causal), else S - 1
 };
 
-template <bool kCausal, bool kMask>
+// kFastOnly: for kernels launched only when a.fast; without the 64-bit path's divisions
+// (calls, around which ptxas saves live registers).
+template <bool kCausal, bool kMask, bool kFastOnly = false>
 __device__ __forceinline__ RowInfo GetRowInfo(const FwdArgs& a, int64_t row) {
+  const bool fast = kFastOnly || a.fast;
   RowInfo r{0, static_cast<int>(a.p.cols) - 1};
-  if constexpr (kCausal) r.last = CausalLast(a.fast, a.query, a.p.query_len, row, r.last + 1);
+  if constexpr (kCausal) r.last = CausalLast(fast, a.query, a.p.query_len, row, r.last + 1);
   if (!kMask) return r;
-  if (a.fast) {
+  if (fast) {
     const uint32_t n0 = static_cast<uint32_t>(row);
     if constexpr (kMask) {
       uint32_t n = n0;
@@ -159,15 +166,17 @@ __device__ __forceinline__ uint32_t MaskVecBits(const uint8_t* m) {
   return bits;
 }
 
-// Keep bits of the VEC elements at column c: the mask's and the causal limit's.
+// Keep bits of the VEC elements at column c: the mask's and the causal limit's. `mrow` is the
+// row's mask (its bytes in global memory, or a copy staged in shared memory), read only for a
+// mask along S.
 template <int VEC, bool kCausal, bool kMask>
-__device__ __forceinline__ uint32_t KeepVecBits(const FwdArgs& a, const RowInfo& r, int c,
-                                                bool row_on) {
+__device__ __forceinline__ uint32_t KeepVecBits(const FwdArgs& a, const RowInfo& r,
+                                                const uint8_t* mrow, int c, bool row_on) {
   constexpr uint32_t kAll = (1u << VEC) - 1;
   uint32_t bits = kAll;
   if constexpr (kMask) {
     if (a.p.mask_col_stride != 0) {
-      bits = MaskVecBits<VEC>(a.p.mask + r.mask_off + c);
+      bits = MaskVecBits<VEC>(mrow + c);
     } else {
       bits = row_on ? kAll : 0u;
     }
@@ -187,6 +196,27 @@ __device__ __forceinline__ bool RowOn(const FwdArgs& a, const RowInfo& r) {
     if (a.p.mask_col_stride == 0) return a.p.mask[r.mask_off] != 0;
   }
   return true;
+}
+
+// Keep bits of the VPT vectors a thread owns in a row (vector k at column first + k * step; bit
+// k * VEC + j for its element j): one bit per element, at most 8 vectors of at most 8 elements.
+template <int VEC, int VPT, bool kCausal, bool kMask>
+__device__ __forceinline__ uint64_t RowKeepBits(const FwdArgs& a, const RowInfo& r,
+                                                const uint8_t* mrow, int lim, int first,
+                                                int step, bool valid) {
+  static_assert(VEC * VPT <= 64, "keep bits must fit in 64 bits");
+  uint64_t keep = 0;
+  if (valid) {
+    const bool row_on = RowOn<kMask>(a, r);
+#pragma unroll
+    for (int k = 0; k < VPT; ++k) {
+      const int c = first + k * step;
+      if (c < lim) {
+        keep |= uint64_t(KeepVecBits<VEC, kCausal, kMask>(a, r, mrow, c, row_on)) << (k * VEC);
+      }
+    }
+  }
+  return keep;
 }
 
 // ---- arithmetic ------------------------------------------------------------------------------
@@ -350,15 +380,8 @@ __global__ void __launch_bounds__(StagedMaxThreads<VEC>(),
   // While the copies are in flight: which of this thread's elements are kept.
   uint64_t keep = ~uint64_t(0);
   if constexpr (kKeep) {
-    keep = 0;
-    if (valid) {
-      const bool row_on = RowOn<kMask>(a, r);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = first + k * step;
-        if (c < lim) keep |= uint64_t(KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on)) << (k * VEC);
-      }
-    }
+    keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step,
+                                                 valid);
   }
   if constexpr (kAsync) CpAsyncWait<0>();
 
@@ -432,6 +455,7 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
   const int step = int(blockDim.x) * VEC;
   const RowInfo r = GetRowInfo<kCausal, kMask>(a, row);
   const bool row_on = RowOn<kMask>(a, r);
+  const uint8_t* mrow = p.mask + r.mask_off;
   const int lim = r.last + 1;  // keys past the causal limit are not read
 
   // Pass 1: online max and sum of exp(logit - max) per thread.
@@ -439,7 +463,7 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
   for (int c = int(threadIdx.x) * VEC; c < lim; c += step) {
     float f[VEC];
     ToFloats<T, VEC>(LoadVec<T, VEC>(p.x, base + c), f);
-    const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on);
+    const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, mrow, c, row_on);
     float vmax = kNegInf;
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
@@ -474,7 +498,7 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
     if (c < lim) {
       float f[VEC];
       ToFloats<T, VEC>(LoadVecStream<T, VEC>(p.x, base + c), f);
-      const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, c, row_on);
+      const uint32_t bits = KeepVecBits<VEC, kCausal, kMask>(a, r, mrow, c, row_on);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float e = ((bits >> j) & 1u) ? Exp2((f[j] * p.scale - ms) * kLog2e) : 0.f;
@@ -485,6 +509,265 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
       for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(0.f);
     }
     StoreVecStream<T, VEC>(p.y, base + c, out);
+  }
+}
+
+// ---- forward, one pass (version 2) ----------------------------------------------------------
+//
+// Version 1 (SoftmaxFwdStaged) reached 2250 GB/s at 16384 x 8192 bf16 on the H100 (0.79x
+// jax.nn.softmax): three passes over the staged row and two block reductions per row, and two
+// exps per element (the sum's and the output's): 268M ex2 at ~16 a clock per SM are ~70 us of
+// the ~180 us a copy of x and y takes, in phases that the loads of other rows must cover.
+// Version 2 computes each exp once and keeps it in registers for the output:
+//   1. the max of the kept logits over the thread's warp (its row in registers in its storage
+//      type, or in shared memory: 0.5 registers an element for 16-bit types), by shuffles;
+//   2. e = exp(logit - warp max) into registers (floats), their sum over the warp;
+//   3. rows wider than a warp: ONE block step combining the warps' (max, sum) pairs: each warp
+//      reads every pair, lane w rescales warp w's sum to the row max, a shuffle sum adds them
+//      (2 extra exps a thread per row; rows of at most 32 threads need none);
+//   4. y = e * exp(warp max - row max) / sum, streaming stores.
+// One ex2 per element (half of version 1's MUFU time), one barrier per row (none for rows of
+// <= 32 threads). Registers (ptxas, sm_90, bf16, no mask): regs 39 / 60 / 98 and pipe
+// 38 / 64 / 108 at 2 / 4 / 8 vectors a thread, no spills: mostly the exps' VPT * VEC floats.
+// Two ways to feed it (JAXGPU_SOFTMAX_TUNE picks, see the launcher):
+//   regs  SoftmaxFwdRegs: every vector of the row loaded straight into registers, one block
+//         per 256 threads' rows; bytes in flight = resident rows (the norm kernels' version 1:
+//         ~4 rows of 16 KiB per SM, 2437 GB/s there).
+//   pipe  SoftmaxFwdPipe: persistent blocks, each thread cp.async'ing its vectors of the next
+//         kStages - 1 rows into shared memory (no registers) while it computes the current row
+//         from registers: ~2 rows in flight per block at all times (the norm backward's
+//         staged pipeline), at the cost of kStages * 16 KiB of shared memory per block.
+// Neither needs the row in shared memory for a reduction: a thread reads back only what it
+// copied itself, so the stages need no barrier.
+
+// Shared scratch of step 3: a (max, sum) pair per warp of a row, for at most 4 rows a block
+// (rows wider than a warp: tpr >= 64, so at most 256 / 64 rows share a block), in two slots
+// used by alternate rows, so that a row's writes never race the previous row's reads.
+constexpr int kOnePassScratchFloats = 2 * 4 * 2 * 32;
+constexpr int64_t kOnePassScratchBytes = sizeof(float) * kOnePassScratchFloats;
+
+// 8 vectors a thread (64 floats of exps) need more than the 64 registers a thread of a
+// 1024-thread block may have: those blocks stop at 512 threads (128 registers).
+template <int VPT>
+constexpr int OnePassMaxThreads() { return VPT > 4 ? 512 : kMaxThreads; }
+
+// 1/s for a row's sum of exps s: in [1, 2^31) (its largest term is exp(0)), or NaN. MUFU.RCP
+// and one Newton step (< 1 ulp): `1.f / s` would add a call to the IEEE division's slow path,
+// around which ptxas saves the live registers (the exps) to local memory.
+__device__ __forceinline__ float RecipSum(float s) {
+  float r;
+  asm("rcp.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(s));
+  return r * fmaf(-s, r, 2.f);
+}
+
+// Vector k's 16-bit (or float) elements as floats. bf16 is the upper half of a float: one
+// shift or one AND per element (the generic conversion spends two on an upper half).
+template <typename T, int VEC>
+__device__ __forceinline__ void Unpack(const Vec<T, VEC> v, float (&f)[VEC]) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16> && VEC % 2 == 0) {
+    const uint32_t* w = reinterpret_cast<const uint32_t*>(&v);
+#pragma unroll
+    for (int i = 0; i < VEC / 2; ++i) {
+      f[2 * i] = __uint_as_float(w[i] << 16);
+      f[2 * i + 1] = __uint_as_float(w[i] & 0xffff0000u);
+    }
+  } else {
+    ToFloats<T, VEC>(v, f);
+  }
+}
+
+// Steps 1-4 for one row. load(k, v) gives vector k of the thread's logits as stored (before
+// the scale) in v, at column first + k * step; it is called (twice: the max, then the exps)
+// only below `lim`, so the thread's row stays in its storage type until the exps replace it.
+// keep: RowKeepBits. Every thread of the block must call it (step 3 has a barrier when
+// tpr > 32). `slot`: alternate between rows.
+template <typename T, int VEC, int VPT, bool kKeep, typename Load>
+__device__ __forceinline__ void OnePassRow(const Load& load, uint64_t keep, int lim, int S,
+                                           float scale, void* y, int64_t base, bool valid,
+                                           float* scratch, int tpr, int slot) {
+  const int first = int(threadIdx.x) * VEC;
+  const int step = tpr * VEC;
+  auto kept = [&](int k, int j) { return !kKeep || ((keep >> (k * VEC + j)) & 1u); };
+  const int width = tpr < 32 ? tpr : 32;
+
+  // 1. The max of the warp's kept logits (NaN-propagating).
+  float m = kNegInf;
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    if (first + k * step < lim) {
+      float v[VEC];
+      load(k, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) m = MaxNaN(m, kept(k, j) ? v[j] * scale : kNegInf);
+    }
+  }
+  for (int o = width / 2; o > 0; o >>= 1) m = MaxNaN(m, __shfl_xor_sync(0xffffffffu, m, o));
+
+  // 2. e = exp(logit - m) in place (0 where not kept; shift by 0 where nothing is kept or
+  // only -inf, so that every exp is 0), and the warp's sum of them.
+  const ExpShift<T> ex(scale, m == kNegInf ? 0.f : m);
+  float s = 0.f;
+  float f[VPT][VEC];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    if (first + k * step < lim) {
+      float v[VEC];
+      load(k, v);
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) {
+        f[k][j] = kept(k, j) ? ex(v[j]) : 0.f;
+        s += f[k][j];
+      }
+    } else {
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) f[k][j] = 0.f;
+    }
+  }
+  for (int o = width / 2; o > 0; o >>= 1) s += __shfl_xor_sync(0xffffffffu, s, o);
+
+  // 3. y = e * g. A sum of 0 (nothing kept) gives zeros; a NaN one (a kept NaN or +inf
+  // logit) NaN everywhere in the row, as 0 * NaN.
+  float g;
+  if (tpr > 32) {
+    const int lane = int(threadIdx.x) & 31;
+    const int warps = tpr / 32;
+    float* pairs = scratch + (slot * 4 + threadIdx.y) * 64;
+    if (lane == 0) {
+      pairs[threadIdx.x / 32] = m;
+      pairs[32 + threadIdx.x / 32] = s;
+    }
+    __syncthreads();
+    // Lane w takes warp w's pair; the row's max and the rescaled sums over lanes 0..warps-1
+    // in the same fixed order in every warp, so every thread of the row gets the same values.
+    float ml = kNegInf, t = 0.f;
+    if (lane < warps) {
+      ml = pairs[lane];
+      t = pairs[32 + lane];
+    }
+    float mr = ml;
+    for (int o = warps / 2; o > 0; o >>= 1) mr = MaxNaN(mr, __shfl_xor_sync(0xffffffffu, mr, o));
+    mr = __shfl_sync(0xffffffffu, mr, 0);
+    t = ml == kNegInf ? 0.f : t * Exp2((ml - mr) * kLog2e);
+    for (int o = warps / 2; o > 0; o >>= 1) t += __shfl_xor_sync(0xffffffffu, t, o);
+    t = __shfl_sync(0xffffffffu, t, 0);
+    const float inv = t == 0.f ? 0.f : RecipSum(t);
+    g = (m == kNegInf ? 0.f : Exp2((m - mr) * kLog2e)) * inv;
+  } else {
+    g = s == 0.f ? 0.f : RecipSum(s);
+  }
+  if (!valid) return;
+
+  // 4. y, every column (zeros past the causal limit).
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = first + k * step;
+    if (c < S) {
+      Vec<T, VEC> out;
+#pragma unroll
+      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(f[k][j] * g);
+      StoreVecStream<T, VEC>(y, base + c, out);
+    }
+  }
+}
+
+// regs: blockDim = (tpr, rows per block); every load of the row issued before any is used.
+template <typename T, int VEC, int VPT, bool kCausal, bool kMask>
+__global__ void __launch_bounds__(OnePassMaxThreads<VPT>())
+    SoftmaxFwdRegs(const FwdArgs a, int tpr) {
+  constexpr bool kKeep = kCausal || kMask;
+  __shared__ float scratch[kOnePassScratchFloats];
+  const SoftmaxFwdParams& p = a.p;
+  const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
+  const bool valid = row < p.rows;
+  const int S = static_cast<int>(p.cols);
+  const int first = int(threadIdx.x) * VEC;
+  const int step = tpr * VEC;
+  const int64_t base = row * p.cols;
+  RowInfo r{0, S - 1};
+  if (kKeep && valid) r = GetRowInfo<kCausal, kMask, true>(a, row);
+  const int lim = valid ? r.last + 1 : 0;  // keys past the causal limit are not read
+  Vec<T, VEC> v[VPT];
+#pragma unroll
+  for (int k = 0; k < VPT; ++k) {
+    const int c = first + k * step;
+    if (c < lim) v[k] = LoadVecStream<T, VEC>(p.x, base + c);
+  }
+  uint64_t keep = ~uint64_t(0);
+  if constexpr (kKeep) {
+    keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step,
+                                                 valid);
+  }
+  auto load = [&](int k, float (&f)[VEC]) { Unpack<T, VEC>(v[k], f); };
+  OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, base, valid, scratch, tpr, 0);
+}
+
+// pipe: gridDim.x <= `groups` persistent blocks of (tpr, rows per block) threads; block b
+// takes the groups of blockDim.y rows b, b + gridDim.x, ...: min_iters = groups / gridDim.x
+// of them, or one more (from the host: a 64-bit division here is a call, around which
+// ptxas saves registers). Stage layout (stage_bytes each, a multiple of 16): the block's x
+// rows, then, for a mask along S, their mask rows.
+template <typename T, int VEC, int VPT, int kStages, bool kCausal, bool kMask>
+__global__ void __launch_bounds__(OnePassMaxThreads<VPT>())
+    SoftmaxFwdPipe(const FwdArgs a, int tpr, int64_t groups, int min_iters, int stage_bytes) {
+  static_assert(kStages >= 2, "one stage in flight while one is computed");
+  constexpr bool kKeep = kCausal || kMask;
+  extern __shared__ __align__(16) unsigned char staged[];
+  __shared__ float scratch[kOnePassScratchFloats];
+  const SoftmaxFwdParams& p = a.p;
+  const int S = static_cast<int>(p.cols);
+  const int first = int(threadIdx.x) * VEC;
+  const int step = tpr * VEC;
+  const bool mask_vec = kMask && p.mask_col_stride != 0;
+  const int x_off = int(threadIdx.y) * S * int(sizeof(T));
+  const int m_off = int(blockDim.y) * S * int(sizeof(T)) + int(threadIdx.y) * S;
+  const int iters = min_iters + (blockIdx.x < groups - int64_t(min_iters) * gridDim.x ? 1 : 0);
+  auto row_of = [&](int it) {
+    return (int64_t(blockIdx.x) + int64_t(it) * gridDim.x) * blockDim.y + threadIdx.y;
+  };
+
+  // Stage the row of iteration `it` (if any): one commit group per iteration, even empty.
+  auto issue = [&](int it) {
+    const int64_t row = row_of(it);
+    if (it < iters && row < p.rows) {
+      unsigned char* st = staged + (it % kStages) * stage_bytes;
+      T* xs = reinterpret_cast<T*>(st + x_off);
+      const T* x = static_cast<const T*>(p.x) + row * p.cols;
+      RowInfo r{0, S - 1};
+      if (kKeep) r = GetRowInfo<kCausal, kMask, true>(a, row);
+#pragma unroll
+      for (int k = 0; k < VPT; ++k) {
+        const int c = first + k * step;
+        if (c <= r.last) {
+          CpAsync16(xs + c, x + c);
+          if (mask_vec) CpAsyncSmall<VEC>(st + m_off + c, p.mask + r.mask_off + c);
+        }
+      }
+    }
+    CpAsyncCommit();
+  };
+
+  for (int s = 0; s < kStages - 1; ++s) issue(s);
+  for (int it = 0; it < iters; ++it) {
+    issue(it + kStages - 1);
+    CpAsyncWait<kStages - 1>();  // this thread's copies of iteration `it` have landed
+    const int64_t row = row_of(it);
+    const bool valid = row < p.rows;
+    RowInfo r{0, S - 1};
+    if (kKeep && valid) r = GetRowInfo<kCausal, kMask, true>(a, row);
+    const int lim = valid ? r.last + 1 : 0;
+    const unsigned char* st = staged + (it % kStages) * stage_bytes;
+    const T* xs = reinterpret_cast<const T*>(st + x_off);
+    uint64_t keep = ~uint64_t(0);
+    if constexpr (kKeep) {
+      // A mask broadcast along S is one byte a row, read from global memory here.
+      const uint8_t* mrow = mask_vec ? st + m_off : p.mask + r.mask_off;
+      keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, mrow, lim, first, step, valid);
+    }
+    auto load = [&](int k, float (&f)[VEC]) {
+      Unpack<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + first + k * step), f);
+    };
+    OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, row * p.cols, valid, scratch,
+                                   tpr, it & 1);
   }
 }
 
@@ -584,15 +867,50 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdLoop(const BwdArgs a) {
 
 // ---- launch ----------------------------------------------------------------------------------
 
-// Developer knob for tuning runs (benchmarks/, not for users): JAXGPU_SOFTMAX_TUNE="a,b"
-// overrides the target vectors per thread of the forward (a) and backward (b) staged kernels.
-int TunedVpt(int which, int fallback) {
-  static const std::pair<int, int> tuned = [] {
-    std::pair<int, int> t{0, 0};
-    if (const char* env = std::getenv("JAXGPU_SOFTMAX_TUNE")) std::sscanf(env, "%d,%d", &t.first, &t.second);
+// Forward kernels of rows of whole 16-byte vectors (rows too wide for the one-pass kernels,
+// more than 4096 vectors, and 2^31 rows or more take version 1 whatever is asked).
+enum class FwdKernel {
+  kPipe3,   // SoftmaxFwdPipe, 3 stages (2 rows in flight a block); else pipe2, else regs
+  kPipe2,   // SoftmaxFwdPipe, 2 stages; else regs
+  kRegs,    // SoftmaxFwdRegs
+  kStaged,  // version 1: SoftmaxFwdStaged
+};
+
+struct Tune {
+  int vpt[2];  // target vectors per thread, forward and backward; 0: the default
+  FwdKernel fwd;
+};
+
+// Developer knob for tuning runs (benchmarks/, not for users), read once per process:
+// JAXGPU_SOFTMAX_TUNE="a,b[,kernel]" overrides the target vectors per thread of the forward
+// (a) and backward (b) kernels (0 keeps the default) and picks the forward kernel: pipe3 (the
+// default), pipe2, regs or staged (version 1, for A/B runs).
+const Tune& GetTune() {
+  static const Tune tune = [] {
+    Tune t{{0, 0}, FwdKernel::kPipe3};
+    const char* env = std::getenv("JAXGPU_SOFTMAX_TUNE");
+    if (env == nullptr) return t;
+    char name[16] = "";
+    std::sscanf(env, "%d,%d,%15s", &t.vpt[0], &t.vpt[1], name);
+    const std::pair<const char*, FwdKernel> kinds[] = {{"pipe3", FwdKernel::kPipe3},
+                                                       {"pipe2", FwdKernel::kPipe2},
+                                                       {"regs", FwdKernel::kRegs},
+                                                       {"staged", FwdKernel::kStaged}};
+    bool known = name[0] == '\0';
+    for (const auto& [n, k] : kinds) {
+      if (std::strcmp(name, n) == 0) {
+        t.fwd = k;
+        known = true;
+      }
+    }
+    if (!known) std::fprintf(stderr, "JAXGPU_SOFTMAX_TUNE: unknown kernel '%s' ignored\n", name);
     return t;
   }();
-  const int v = which == 0 ? tuned.first : tuned.second;
+  return tune;
+}
+
+int TunedVpt(int which, int fallback) {
+  const int v = GetTune().vpt[which];
   return v > 0 && v <= kMaxVpt ? v : fallback;
 }
 
@@ -661,6 +979,75 @@ bool Aligned(const void* ptr, int bytes) {
   return reinterpret_cast<uintptr_t>(ptr) % bytes == 0;
 }
 
+struct OnePassConfig {
+  bool fits;  // at most 8 vectors a thread, and at most 4 above 512 threads
+  int tpr;
+  int vpt;    // vectors a thread owns, rounded up to 2, 4 or 8 (a template parameter)
+  int rows_per_block;
+};
+
+OnePassConfig ChooseOnePass(int64_t nvec, int target_vpt) {
+  OnePassConfig c{};
+  c.tpr = static_cast<int>(std::min<int64_t>(kMaxThreads, NextPow2(CeilDiv(nvec, target_vpt))));
+  const int64_t per_thread = CeilDiv(nvec, c.tpr);
+  c.vpt = per_thread <= 2 ? 2 : (per_thread <= 4 ? 4 : 8);
+  c.fits = per_thread <= 8 && c.tpr <= (c.vpt > 4 ? OnePassMaxThreads<8>() : kMaxThreads);
+  c.rows_per_block = c.tpr >= kBlockThreads ? 1 : kBlockThreads / c.tpr;
+  return c;
+}
+
+template <typename T, int VEC, int VPT, int kStages, bool kCausal, bool kMask>
+cudaError_t LaunchPipe(const FwdArgs& a, const OnePassConfig& c, int64_t stage_bytes,
+                       cudaStream_t stream) {
+  const auto kernel = SoftmaxFwdPipe<T, VEC, VPT, kStages, kCausal, kMask>;
+  const int64_t smem = kStages * stage_bytes;
+  cudaError_t err = AllowSmem(kernel, smem);
+  // The blocks' residency is bound by their stages: all the shared memory the SM can have.
+  if (err == cudaSuccess) {
+    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
+                               cudaSharedmemCarveoutMaxShared);
+  }
+  const int threads = c.tpr * c.rows_per_block;
+  int per_sm = 0;
+  if (err == cudaSuccess) {
+    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
+  }
+  if (err != cudaSuccess) return err;
+  // As many blocks as are resident at once, each taking the same number of row groups (but
+  // for the last few blocks' one fewer), so that no block trails a whole row behind.
+  const int64_t groups = CeilDiv(a.p.rows, c.rows_per_block);
+  const int64_t resident = int64_t(std::max(per_sm, 1)) * SmCount();
+  const int64_t blocks = CeilDiv(groups, CeilDiv(groups, resident));
+  const int64_t min_iters = groups / blocks;
+  if (min_iters >= INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<blocks, dim3(c.tpr, c.rows_per_block), smem, stream>>>(
+      a, c.tpr, groups, static_cast<int>(min_iters), static_cast<int>(stage_bytes));
+  return cudaGetLastError();
+}
+
+template <typename T, int VEC, int VPT, bool kCausal, bool kMask>
+cudaError_t LaunchOnePass(const FwdArgs& a, const OnePassConfig& c, FwdKernel kind,
+                          cudaStream_t stream) {
+  if (kind == FwdKernel::kPipe3 || kind == FwdKernel::kPipe2) {
+    // x's rows of the block, then their mask rows (a mask along S: VEC bytes a vector).
+    const bool mask_vec = kMask && a.p.mask_col_stride != 0;
+    const int64_t stage_bytes =
+        CeilDiv(int64_t(c.rows_per_block) * a.p.cols * (sizeof(T) + (mask_vec ? 1 : 0)), 16) * 16;
+    const int64_t max_smem = MaxStagedBytes(kOnePassScratchBytes);
+    if (kind == FwdKernel::kPipe3 && 3 * stage_bytes <= max_smem) {
+      return LaunchPipe<T, VEC, VPT, 3, kCausal, kMask>(a, c, stage_bytes, stream);
+    }
+    if (2 * stage_bytes <= max_smem) {
+      return LaunchPipe<T, VEC, VPT, 2, kCausal, kMask>(a, c, stage_bytes, stream);
+    }
+  }
+  const int64_t blocks = CeilDiv(a.p.rows, c.rows_per_block);
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;  // one grid dimension
+  SoftmaxFwdRegs<T, VEC, VPT, kCausal, kMask>
+      <<<blocks, dim3(c.tpr, c.rows_per_block), 0, stream>>>(a, c.tpr);
+  return cudaGetLastError();
+}
+
 template <typename T, bool kCausal, bool kMask>
 cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   constexpr int kFull = 16 / sizeof(T);
@@ -669,6 +1056,15 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
   // vector path from ever faulting on a misaligned one (the mask's vector is kFull bytes).
   if (S % kFull == 0 && Aligned(a.p.x, 16) && Aligned(a.p.y, 16) &&
       (!kMask || Aligned(a.p.mask, kFull))) {
+    const Tune& tune = GetTune();
+    if (tune.fwd != FwdKernel::kStaged && a.fast) {  // the one-pass kernels' row math: 32 bits
+      const OnePassConfig c = ChooseOnePass(S / kFull, TunedVpt(0, 4));
+      if (c.fits) {
+        return JAXGPU_SOFTMAX_VPT_SWITCH(c.vpt, VPT, [&] {
+          return LaunchOnePass<T, kFull, VPT, kCausal, kMask>(a, c, tune.fwd, stream);
+        });
+      }
+    }
     const StagedConfig c = ChooseStaged(S, kFull, sizeof(T), 1, TunedVpt(0, 4));
     if (c.staged) {
       return JAXGPU_SOFTMAX_VPT_SWITCH(c.vpt, VPT, [&] {
