@@ -63,7 +63,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import PartitionSpec
+from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpu import _checks, _ffi, _implementation
 from jaxgpu._kernel_op import (Layout, _explicit_spec, _in_explicit_mode, grouped_call,
@@ -234,12 +234,13 @@ def _split_heads(q, kv_heads: int):
   spec = _explicit_spec(q)
   if not _in_explicit_mode(q) or spec[2] is None:
     return q.reshape(shape)
-  mesh_shape = dict(jax.typeof(q).sharding.mesh.shape)
+  mesh = jax.typeof(q).sharding.mesh
   axes = _axes_tuple(spec[2])
-  k_axes, r_axes = _head_split_axes(axes, tuple(mesh_shape[a] for a in axes), kv_heads,
+  k_axes, r_axes = _head_split_axes(axes, tuple(dict(mesh.shape)[a] for a in axes), kv_heads,
                                     n // kv_heads)
   out = PartitionSpec(spec[0], spec[1], _spec_entry(k_axes), _spec_entry(r_axes), spec[3])
-  return jax.lax.reshape(q, shape, out_sharding=out)
+  # A NamedSharding, not a bare spec: the caller need not have entered jax.set_mesh.
+  return jax.lax.reshape(q, shape, out_sharding=NamedSharding(mesh, out))
 
 
 def _merge_heads(o, like):
@@ -249,7 +250,8 @@ def _merge_heads(o, like):
   shape = (b, t, kh * r, h)
   if not _in_explicit_mode(like):
     return o.reshape(shape)
-  return jax.lax.reshape(o, shape, out_sharding=PartitionSpec(*_explicit_spec(like)))
+  return jax.lax.reshape(o, shape, out_sharding=NamedSharding(jax.typeof(like).sharding.mesh,
+                                                              PartitionSpec(*_explicit_spec(like))))
 
 
 # ---- public API ---------------------------------------------------------------------------
