@@ -208,7 +208,15 @@ def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residu
     return o, grads
   delta_res = (doh * oracle.as_f64(o_residual).transpose(0, 2, 1, 3)).sum(-1)[..., None]
   shift = dq_dk(-p * (delta_res - delta))
-  return o, grads, tuple(float(np.abs(a).max(initial=0.0)) for a in shift) + (0.0,)
+  # dp - delta cancels where p is one-hot (S = 1, say): there the kernels' two float32
+  # sums of H products (dp by the MMA, delta in its own order) differ by their rounding,
+  # up to ~2 H u32 (|do| . |v|), where the exact gradient is 0.
+  u32 = float(np.finfo(np.float32).eps) / 2
+  sums = 2 * h * u32 * (np.abs(doh) @ np.abs(vr).swapaxes(-1, -2)) * p
+  sums_dq = scale * (sums @ np.abs(kr)).transpose(0, 2, 1, 3)
+  sums_dk = per_kv_head(scale * (sums.swapaxes(-1, -2) @ np.abs(qh)))
+  return o, grads, (float(np.abs(shift[0]).max(initial=0.0) + sums_dq.max(initial=0.0)),
+                    float(np.abs(shift[1]).max(initial=0.0) + sums_dk.max(initial=0.0)), 0.0)
 
 
 # ---- the low-precision jnp reference --------------------------------------------------------
