@@ -119,11 +119,11 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
     delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
   }
 
-  float acc_dq[kHeadDim / 8][4];
+  float acc_dq[1][kHeadDim / 8][4];
 #pragma unroll
   for (int j = 0; j < kHeadDim / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dq[j][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc_dq[0][j][e] = 0.f;
   }
 
   int key_lo, key_hi;
@@ -156,24 +156,26 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
       load_kv(nb + 1, buf ^ 1);
       CpAsyncCommit();
     }
-    float s[kN / 8][4], dp[kN / 8][4];
+    float s[1][kN / 8][4], dp[1][kN / 8][4];
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) s[0][j][e] = dp[0][j][e] = 0.f;
     }
-    ScoresFromSmem<T, kHeadDim, kN>(s, sq, warp * 16, sk(buf), H, lane);
-    ScoresFromSmem<T, kHeadDim, kN>(dp, sdo, warp * 16, sv(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kN, 1>(s, sq, warp * 16, sk(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kN, 1>(dp, sdo, warp * 16, sv(buf), H, lane);
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
-    ToLogits<false, kN>(s, ls, mask, masked, row0, n0, lane);
+    ToLogits<false, kN>(s[0], ls, mask, masked, row0, n0, lane);
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ProbsAndGrads(s[j][e], dp[j][e], lse2[e >> 1], delta[e >> 1], ls);
+      for (int e = 0; e < 4; ++e) {
+        ProbsAndGrads(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
+      }
     }
-    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim>(acc_dq, dp, sk(buf), 0, H, lane);
+    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, 1>(acc_dq, dp, sk(buf), 0, H, lane);
   }
-  StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq, ls.scale, warp * 16, mask.q_len - m0, 0, H,
+  StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq[0], ls.scale, warp * 16, mask.q_len - m0, 0, H,
                                 lane);
 }
 
@@ -227,11 +229,11 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   const T* q = static_cast<const T*>(p.q);
   const T* d_o = static_cast<const T*>(p.d_o);
 
-  float acc_dk[kAcc / 8][4], acc_dv[kAcc / 8][4];
+  float acc_dk[1][kAcc / 8][4], acc_dv[1][kAcc / 8][4];
 #pragma unroll
   for (int j = 0; j < kAcc / 8; ++j) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[j][e] = acc_dv[j][e] = 0.f;
+    for (int e = 0; e < 4; ++e) acc_dk[0][j][e] = acc_dv[0][j][e] = 0.f;
   }
 
   int q_lo, q_hi;
@@ -269,16 +271,16 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
     }
     // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
     const int64_t stats = off0.stats + r * p.q_len;
-    float s[kM / 8][4], dp[kM / 8][4];
+    float s[1][kM / 8][4], dp[1][kM / 8][4];
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) s[j][e] = dp[j][e] = 0.f;
+      for (int e = 0; e < 4; ++e) s[0][j][e] = dp[0][j][e] = 0.f;
     }
-    ScoresFromSmem<T, kHeadDim, kM>(s, sk, warp * 16, sq(buf), H, lane);
-    ScoresFromSmem<T, kHeadDim, kM>(dp, sv, warp * 16, sdo(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kM, 1>(s, sk, warp * 16, sq(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kM, 1>(dp, sv, warp * 16, sdo(buf), H, lane);
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
-    ToLogits<true, kM>(s, ls, mask, masked, key0, m0, lane);
+    ToLogits<true, kM>(s[0], ls, mask, masked, key0, m0, lane);
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
       float lse2[2], delta[2];
@@ -290,16 +292,18 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
         delta[c] = i < mask.q_len ? p.delta[stats + i] : 0.f;
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) ProbsAndGrads(s[j][e], dp[j][e], lse2[e & 1], delta[e & 1], ls);
+      for (int e = 0; e < 4; ++e) {
+        ProbsAndGrads(s[0][j][e], dp[0][j][e], lse2[e & 1], delta[e & 1], ls);
+      }
     }
-    AccumulateFromRegs<T, kM, kAcc, kHeadDim>(acc_dv, s, sdo(buf), col0, H, lane);
-    AccumulateFromRegs<T, kM, kAcc, kHeadDim>(acc_dk, dp, sq(buf), col0, H, lane);
+    AccumulateFromRegs<T, kM, kAcc, kHeadDim, 1>(acc_dv, s, sdo(buf), col0, H, lane);
+    AccumulateFromRegs<T, kM, kAcc, kHeadDim, 1>(acc_dk, dp, sq(buf), col0, H, lane);
   }
   T* dk = static_cast<T*>(p.dk) + off0.kv + n0 * off0.kv_ld;
   T* dv = static_cast<T*>(p.dv) + off0.kv + n0 * off0.kv_ld;
-  StoreAccumulator<T, kAcc>(dk, off0.kv_ld, acc_dk, ls.scale, warp * 16, mask.kv_len - n0, col0,
+  StoreAccumulator<T, kAcc>(dk, off0.kv_ld, acc_dk[0], ls.scale, warp * 16, mask.kv_len - n0, col0,
                             H, lane);
-  StoreAccumulator<T, kAcc>(dv, off0.kv_ld, acc_dv, 1.f, warp * 16, mask.kv_len - n0, col0, H,
+  StoreAccumulator<T, kAcc>(dv, off0.kv_ld, acc_dv[0], 1.f, warp * 16, mask.kv_len - n0, col0, H,
                             lane);
 }
 

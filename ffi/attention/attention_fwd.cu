@@ -4,8 +4,9 @@
 // The CTA walks the key tiles the mask leaves visible (fully masked tiles are never
 // loaded), with an online softmax in the log2 domain; it writes o and the log-sum-exp.
 //
-// Pipeline (one K and one V buffer): V_j's copy overlaps Q K_j^T, K_{j+1}'s copy overlaps the
-// softmax and P V_j.
+// Pipeline: two K/V buffers; tile j+1's copy overlaps all of tile j's math, one barrier
+// per tile. (FlashAttention-2's single-buffer schedule, V_j's copy behind Q K_j^T only,
+// measured ~140 TFLOP/s here with its other costs.)
 #include <cuda_runtime.h>
 
 #include "attention/attention_cuda.h"
@@ -16,8 +17,10 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-template <int kHeadDim>
-struct FwdTraits {
+// Tile shapes: (warps, row tiles of 16 per warp, keys per tile) by variant; variant 0 is the
+// default, the others exist for tuning runs (JAXGPU_ATTENTION_TUNE, H = 128 only).
+template <int kHeadDim, int kVariant>
+struct FwdShape {
   // 4 warps x 2 row tiles (128 queries per CTA) up to H = 128: two row tiles per warp
   // halve the shared-memory reads per MMA (each K/V fragment feeds both), the limit of an
   // mma.sync loop on the H100 (128 B/clk/SM of ldmatrix against ~2 kFLOP/clk/SM of MMA).
@@ -25,23 +28,33 @@ struct FwdTraits {
   // Key tiles of 32 at H >= 128 keep scores + output accumulators within 255 registers.
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kBlockM = 16 * kWarps * kMTiles;
   static constexpr int kBlockN = kHeadDim >= 128 ? 32 : 64;
+};
+template <> struct FwdShape<128, 1> { static constexpr int kWarps = 8, kMTiles = 1, kBlockN = 64; };
+template <> struct FwdShape<128, 2> { static constexpr int kWarps = 4, kMTiles = 1, kBlockN = 64; };
+template <> struct FwdShape<128, 3> { static constexpr int kWarps = 4, kMTiles = 2, kBlockN = 64; };
+
+template <int kHeadDim, int kVariant = 0>
+struct FwdTraits {
+  using Shape = FwdShape<kHeadDim, kVariant>;
+  static constexpr int kWarps = Shape::kWarps;
+  static constexpr int kMTiles = Shape::kMTiles;
+  static constexpr int kBlockM = 16 * kWarps * kMTiles;
+  static constexpr int kBlockN = Shape::kBlockN;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kSmemBytes =
-      (kBlockM + 2 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+      (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;  // Q, 2 x (K, V)
 };
 
-template <typename T, int kHeadDim, bool kMaskable>
-__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
+template <typename T, int kHeadDim, bool kMaskable, int kVariant>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim, kVariant>::kThreads)
     AttentionFwdKernel(AttentionParams p, LogitScale ls) {
-  using Tr = FwdTraits<kHeadDim>;
+  using Tr = FwdTraits<kHeadDim, kVariant>;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sq = reinterpret_cast<T*>(smem_raw);
-  T* sk = sq + kM * kStride;
-  T* sv = sk + kN * kStride;
+  T* sk = sq + kM * kStride;  // [buffer][K, V]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -81,19 +94,29 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
   }
 
+  auto load_kv = [&](int nb, int buf) {
+    const int n0 = nb * kN;
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk + buf * 2 * kN * kStride, k + n0 * off.kv_ld,
+                                              off.kv_ld, mask.kv_len - n0, H);
+    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk + (buf * 2 + 1) * kN * kStride,
+                                              v + n0 * off.kv_ld, off.kv_ld, mask.kv_len - n0, H);
+  };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, k + n_begin * kN * off.kv_ld, off.kv_ld,
-                                              mask.kv_len - n_begin * kN, H);
+    load_kv(n_begin, 0);
     CpAsyncCommit();
   }
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kN;
+    const int buf = (nb - n_begin) & 1;
+    const T* sk_nb = sk + buf * 2 * kN * kStride;
+    const T* sv_nb = sk_nb + kN * kStride;
     CpAsyncWait<0>();
-    __syncthreads();  // K_nb in smem; every warp is done with V_{nb-1}
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv, v + n0 * off.kv_ld, off.kv_ld,
-                                              mask.kv_len - n0, H);
-    CpAsyncCommit();
+    __syncthreads();  // tile nb in smem; every warp is done with tile nb - 1's buffer
+    if (nb + 1 < n_end) {
+      load_kv(nb + 1, buf ^ 1);  // overlaps all of tile nb's math
+      CpAsyncCommit();
+    }
 
     float acc_s[kMT][kN / 8][4];
 #pragma unroll
@@ -103,16 +126,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
 #pragma unroll
         for (int e = 0; e < 4; ++e) acc_s[mi][j][e] = 0.f;
       }
-      ScoresFromSmem<T, kHeadDim, kN>(acc_s[mi], sq, (warp * kMT + mi) * 16, sk, H, lane);
     }
-
-    CpAsyncWait<0>();
-    __syncthreads();  // V_nb in smem; every warp is done with K_nb
-    if (nb + 1 < n_end) {
-      LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, k + (n0 + kN) * off.kv_ld, off.kv_ld,
-                                                mask.kv_len - n0 - kN, H);
-      CpAsyncCommit();
-    }
+    ScoresFromSmem<T, kHeadDim, kN, kMT>(acc_s, sq, warp * kMT * 16, sk_nb, H, lane);
 
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
 #pragma unroll
@@ -148,8 +163,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
           acc_o[mi][j][2 * h + 1] *= correction;
         }
       }
-      AccumulateFromRegs<T, kN, kHeadDim, kHeadDim>(acc_o[mi], acc_s[mi], sv, 0, H, lane);
     }
+    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, kMT>(acc_o, acc_s, sv_nb, 0, H, lane);
   }
 
   // Epilogue: normalize and store o (rows past T and columns past H are not stored) and
@@ -178,10 +193,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   }
 }
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, int kVariant>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = FwdTraits<kHeadDim>;
-  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable>;
+  using Tr = FwdTraits<kHeadDim, kVariant>;
+  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable, kVariant>;
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -200,8 +215,19 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
+      if constexpr (D == 128) {
+        switch (TuneVariant("JAXGPU_ATTENTION_TUNE")) {
+          case 1: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 1>::kBlockN), kMaskable, [&] {
+            return Launch<T, D, kMaskable, 1>(p, stream); });
+          case 2: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 2>::kBlockN), kMaskable, [&] {
+            return Launch<T, D, kMaskable, 2>(p, stream); });
+          case 3: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 3>::kBlockN), kMaskable, [&] {
+            return Launch<T, D, kMaskable, 3>(p, stream); });
+          default: break;
+        }
+      }
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
-        return Launch<T, D, kMaskable>(p, stream);
+        return Launch<T, D, kMaskable, 0>(p, stream);
       });
     });
   });

@@ -54,49 +54,61 @@ __device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p,
   return o;
 }
 
-// Scores of a warp's 16 rows of A (rows a_row0.. of tile A) against the kN rows of tile B,
-// both (rows, kDim) in smem: acc[n-tile][4] += A B^T over feature columns [0, dim).
-template <typename T, int kDim, int kN>
-__device__ __forceinline__ void ScoresFromSmem(float (&acc)[kN / 8][4], const T* a_tile,
+// Scores of a warp's kMT x 16 rows of A (rows a_row0.. of tile A, consecutive) against the
+// kN rows of tile B, both (rows, kDim) in smem: acc[m-tile][n-tile][4] += A B^T over
+// feature columns [0, dim). Each B fragment is loaded once and feeds all kMT row tiles:
+// ldmatrix bandwidth (128 B/clk/SM) is what bounds an mma.sync loop.
+template <typename T, int kDim, int kN, int kMT>
+__device__ __forceinline__ void ScoresFromSmem(float (&acc)[kMT][kN / 8][4], const T* a_tile,
                                                int a_row0, const T* b_tile, int dim, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kDim / 16; ++kk) {
     if (kk * 16 < dim) {  // feature columns past H are zeros: skip them
-      uint32_t a[4];
-      LoadA<kDim>(a, a_tile, a_row0, kk * 16, lane);
+      uint32_t a[kMT][4];
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) LoadA<kDim>(a[mi], a_tile, a_row0 + 16 * mi, kk * 16, lane);
 #pragma unroll
       for (int nn = 0; nn < kN / 16; ++nn) {
         uint32_t b[4];
         LoadBNk<kDim>(b, b_tile, nn * 16, kk * 16, lane);
-        MmaType<T>::Mma(acc[2 * nn], a, b[0], b[1]);
-        MmaType<T>::Mma(acc[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) {
+          MmaType<T>::Mma(acc[mi][2 * nn], a[mi], b[0], b[1]);
+          MmaType<T>::Mma(acc[mi][2 * nn + 1], a[mi], b[2], b[3]);
+        }
       }
     }
   }
 }
 
 // acc += P B over the kK rows of a smem tile B, for output columns [col0, col0 + kAcc):
-// P (16 x kK per warp) is in registers as C tiles, converted to 16-bit A fragments on the
-// fly; B is (kK, kTileDim) with n contiguous (V, dO, Q or K). Columns past `dim` are zeros
-// and skipped.
-template <typename T, int kK, int kAcc, int kTileDim>
-__device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kAcc / 8][4],
-                                                   const float (&p)[kK / 8][4], const T* b_tile,
-                                                   int col0, int dim, int lane) {
+// P (kMT x 16 x kK per warp) is in registers as C tiles, converted to 16-bit A fragments
+// on the fly; B is (kK, kTileDim) with n contiguous (V, dO, Q or K). Columns past `dim` are
+// zeros and skipped. Each B fragment feeds all kMT row tiles.
+template <typename T, int kK, int kAcc, int kTileDim, int kMT>
+__device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4],
+                                                   const float (&p)[kMT][kK / 8][4],
+                                                   const T* b_tile, int col0, int dim, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[4];
-    a[0] = MmaType<T>::Pack(p[2 * kk][0], p[2 * kk][1]);
-    a[1] = MmaType<T>::Pack(p[2 * kk][2], p[2 * kk][3]);
-    a[2] = MmaType<T>::Pack(p[2 * kk + 1][0], p[2 * kk + 1][1]);
-    a[3] = MmaType<T>::Pack(p[2 * kk + 1][2], p[2 * kk + 1][3]);
+    uint32_t a[kMT][4];
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) {
+      a[mi][0] = MmaType<T>::Pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+      a[mi][1] = MmaType<T>::Pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+      a[mi][2] = MmaType<T>::Pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+      a[mi][3] = MmaType<T>::Pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+    }
 #pragma unroll
     for (int nn = 0; nn < kAcc / 16; ++nn) {
       if (col0 + nn * 16 < dim) {
         uint32_t b[4];
         LoadBKn<kTileDim>(b, b_tile, kk * 16, col0 + nn * 16, lane);
-        MmaType<T>::Mma(acc[2 * nn], a, b[0], b[1]);
-        MmaType<T>::Mma(acc[2 * nn + 1], a, b[2], b[3]);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) {
+          MmaType<T>::Mma(acc[mi][2 * nn], a[mi], b[0], b[1]);
+          MmaType<T>::Mma(acc[mi][2 * nn + 1], a[mi], b[2], b[3]);
+        }
       }
     }
   }
