@@ -17,39 +17,27 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-// Tile shapes: (warps, row tiles of 16 per warp, keys per tile) by variant; variant 0 is the
-// default, the others exist for tuning runs (JAXGPU_ATTENTION_TUNE, H = 128 only).
-template <int kHeadDim, int kVariant>
-struct FwdShape {
-  // 4 warps x 2 row tiles (128 queries per CTA) up to H = 128: two row tiles per warp
-  // halve the shared-memory reads per MMA (each K/V fragment feeds both), the limit of an
-  // mma.sync loop on the H100 (128 B/clk/SM of ldmatrix against ~2 kFLOP/clk/SM of MMA).
-  // H = 256 keeps one row tile: its 128 output accumulators per thread leave no room.
-  // Key tiles of 32 at H >= 128 keep scores + output accumulators within 255 registers.
+template <int kHeadDim>
+struct FwdTraits {
+  // 4 warps x 2 row tiles (128 queries per CTA) up to H = 128: each K/V fragment a warp
+  // loads feeds both row tiles, halving the shared-memory reads per MMA (ldmatrix, 128
+  // B/clk/SM, bounds an mma.sync loop). H = 256 keeps one row tile: its 128 output
+  // accumulators per thread leave no room. Measured at H = 128, T = 4096, bf16 on the H100
+  // (TFLOP/s non-causal / causal): 4 warps x 2 tiles x 64 keys 209 / 138 (this), x 32 keys
+  // 190 / 140; 8 warps x 1 tile x 64 keys 143 / 105; 4 warps x 1 tile x 64 keys 136 / 103.
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kBlockN = kHeadDim >= 128 ? 32 : 64;
-};
-template <> struct FwdShape<128, 1> { static constexpr int kWarps = 8, kMTiles = 1, kBlockN = 64; };
-template <> struct FwdShape<128, 2> { static constexpr int kWarps = 4, kMTiles = 1, kBlockN = 64; };
-template <> struct FwdShape<128, 3> { static constexpr int kWarps = 4, kMTiles = 2, kBlockN = 64; };
-
-template <int kHeadDim, int kVariant = 0>
-struct FwdTraits {
-  using Shape = FwdShape<kHeadDim, kVariant>;
-  static constexpr int kWarps = Shape::kWarps;
-  static constexpr int kMTiles = Shape::kMTiles;
   static constexpr int kBlockM = 16 * kWarps * kMTiles;
-  static constexpr int kBlockN = Shape::kBlockN;
+  static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
   static constexpr int kSmemBytes =
       (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;  // Q, 2 x (K, V)
 };
 
-template <typename T, int kHeadDim, bool kMaskable, int kVariant>
-__global__ void __launch_bounds__(FwdTraits<kHeadDim, kVariant>::kThreads)
+template <typename T, int kHeadDim, bool kMaskable>
+__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     AttentionFwdKernel(AttentionParams p, LogitScale ls) {
-  using Tr = FwdTraits<kHeadDim, kVariant>;
+  using Tr = FwdTraits<kHeadDim>;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -193,10 +181,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim, kVariant>::kThreads)
   }
 }
 
-template <typename T, int kHeadDim, bool kMaskable, int kVariant>
+template <typename T, int kHeadDim, bool kMaskable>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = FwdTraits<kHeadDim, kVariant>;
-  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable, kVariant>;
+  using Tr = FwdTraits<kHeadDim>;
+  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable>;
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -215,19 +203,8 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
-      if constexpr (D == 128) {
-        switch (TuneVariant("JAXGPU_ATTENTION_TUNE")) {
-          case 1: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 1>::kBlockN), kMaskable, [&] {
-            return Launch<T, D, kMaskable, 1>(p, stream); });
-          case 2: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 2>::kBlockN), kMaskable, [&] {
-            return Launch<T, D, kMaskable, 2>(p, stream); });
-          case 3: return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D, 3>::kBlockN), kMaskable, [&] {
-            return Launch<T, D, kMaskable, 3>(p, stream); });
-          default: break;
-        }
-      }
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
-        return Launch<T, D, kMaskable, 0>(p, stream);
+        return Launch<T, D, kMaskable>(p, stream);
       });
     });
   });

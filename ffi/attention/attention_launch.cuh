@@ -7,7 +7,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
@@ -50,13 +49,6 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
   if (n > INT32_MAX) return cudaErrorInvalidConfiguration;
   *grid = dim3(static_cast<unsigned>(n));
   return cudaSuccess;
-}
-
-// Developer knob for tuning runs (not for users), read once per process: the tile-shape
-// variant named by environment variable `name` (0 = the default).
-inline int TuneVariant(const char* name) {
-  const char* env = std::getenv(name);
-  return env ? std::atoi(env) : 0;
 }
 
 // Kernels with more than 48 KiB of dynamic shared memory must opt in, once per kernel.
