@@ -3,6 +3,7 @@
 // (kCmdBufferCompatible).
 #include <string>
 
+#include "common/cuda_status.h"
 #include "activation/activation_cuda.h"
 #include "activation/activation_handlers.h"
 #include "activation/activation_targets.h"
@@ -12,9 +13,7 @@ namespace {
 
 ffi::Error RunCuda(cudaStream_t stream, ffi::Error made, const ActParams& p) {
   if (made.failure()) return made;
-  const cudaError_t err = cuda::LaunchActivation(p, stream);
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("activation launch: ") + cudaGetErrorString(err));
+  return CudaStatus(cuda::LaunchActivation(p, stream), "activation launch");
 }
 
 template <ActKind kKind>

@@ -89,21 +89,17 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   T* sq = reinterpret_cast<T*>(smem_raw);
   T* sdo = sq + kM * kStride;
   T* skv = sdo + kM * kStride;  // [buffer][K, V]
-  auto sk = [&](int buf) { return skv + (2 * buf) * kN * kStride; };
-  auto sv = [&](int buf) { return skv + (2 * buf + 1) * kN * kStride; };
+  auto sk = [&](int buf) { return PairTile<kN, kHeadDim>(skv, buf, 0); };
+  auto sv = [&](int buf) { return PairTile<kN, kHeadDim>(skv, buf, 1); };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;
-  const int m_blocks = (static_cast<int>(p.q_len) + kM - 1) / kM;
-  const int64_t head = blockIdx.x / m_blocks;
-  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
-  const int64_t r = head % p.group;
-  const int64_t kh = (head / p.group) % p.kv_heads;
-  const int64_t b = head / (p.group * p.kv_heads);
-  const HeadOffsets off = MakeHeadOffsets(p, b, kh, r);
+  const QueryTile tile = DecodeQueryTile(p, kM);
+  const int64_t b = tile.b;
+  const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);
   const int H = static_cast<int>(p.head_dim);
-  const int m0 = m_block * kM;
+  const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
   const int row0 = m0 + warp * 16;
 
@@ -120,22 +116,14 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   }
 
   float acc_dq[1][kHeadDim / 8][4];
-#pragma unroll
-  for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dq[0][j][e] = 0.f;
-  }
+  Zero(acc_dq);
 
   int key_lo, key_hi;
   mask.KeyRange(m0, m_last, &key_lo, &key_hi);
   const int n_begin = key_lo / kN;
   const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
   auto load_kv = [&](int nb, int buf) {
-    const int n0 = nb * kN;
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk(buf), k + n0 * off.kv_ld, off.kv_ld,
-                                              mask.kv_len - n0, H);
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv(buf), v + n0 * off.kv_ld, off.kv_ld,
-                                              mask.kv_len - n0, H);
+    LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, static_cast<const T*>(p.q) + off.q +
@@ -157,11 +145,8 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
       CpAsyncCommit();
     }
     float s[1][kN / 8][4], dp[1][kN / 8][4];
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][j][e] = dp[0][j][e] = 0.f;
-    }
+    Zero(s);
+    Zero(dp);
     ScoresFromSmem<T, kHeadDim, kN, 1>(s, sq, warp * 16, sk(buf), H, lane);
     ScoresFromSmem<T, kHeadDim, kN, 1>(dp, sdo, warp * 16, sv(buf), H, lane);
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
@@ -204,10 +189,10 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sk = reinterpret_cast<T*>(smem_raw);
-  T* sv = sk + kN * kStride;
+  T* sv = PairTile<kN, kHeadDim>(sk, 0, 1);
   T* sqdo = sv + kN * kStride;  // [buffer][Q, dO]
-  auto sq = [&](int buf) { return sqdo + (2 * buf) * kM * kStride; };
-  auto sdo = [&](int buf) { return sqdo + (2 * buf + 1) * kM * kStride; };
+  auto sq = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 0); };
+  auto sdo = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 1); };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = lane & 3;
@@ -230,11 +215,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   const T* d_o = static_cast<const T*>(p.d_o);
 
   float acc_dk[1][kAcc / 8][4], acc_dv[1][kAcc / 8][4];
-#pragma unroll
-  for (int j = 0; j < kAcc / 8; ++j) {
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_dk[0][j][e] = acc_dv[0][j][e] = 0.f;
-  }
+  Zero(acc_dk);
+  Zero(acc_dv);
 
   int q_lo, q_hi;
   mask.QueryRange(n0, n_last, &q_lo, &q_hi);
@@ -242,20 +224,15 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   const int m_count = q_hi > q_lo ? (q_hi + kM - 1) / kM - m_begin : 0;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
   auto load_qdo = [&](int step, int buf) {
-    const int64_t r = step / m_count;
-    const int m0 = (m_begin + step % m_count) * kM;
-    const int64_t base = off0.q + r * p.head_dim + m0 * off0.q_ld;
-    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq(buf), q + base, off0.q_ld, mask.q_len - m0, H);
-    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo(buf), d_o + base, off0.q_ld, mask.q_len - m0,
-                                              H);
+    const int64_t head = off0.q + (step / m_count) * p.head_dim;  // query head r of the group
+    LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, buf, q + head, d_o + head, off0.q_ld,
+                                              (m_begin + step % m_count) * kM, mask.q_len, H);
   };
   if (steps > 0) {
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk, static_cast<const T*>(p.k) + off0.kv +
-                                                      n0 * off0.kv_ld,
-                                              off0.kv_ld, mask.kv_len - n0, H);
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sv, static_cast<const T*>(p.v) + off0.kv +
-                                                      n0 * off0.kv_ld,
-                                              off0.kv_ld, mask.kv_len - n0, H);
+    // sk, sv are buffer 0 of a pair
+    LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, 0, static_cast<const T*>(p.k) + off0.kv,
+                                              static_cast<const T*>(p.v) + off0.kv, off0.kv_ld, n0,
+                                              mask.kv_len, H);
     load_qdo(0, 0);
     CpAsyncCommit();
   }
@@ -272,11 +249,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
     // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
     const int64_t stats = off0.stats + r * p.q_len;
     float s[1][kM / 8][4], dp[1][kM / 8][4];
-#pragma unroll
-    for (int j = 0; j < kM / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) s[0][j][e] = dp[0][j][e] = 0.f;
-    }
+    Zero(s);
+    Zero(dp);
     ScoresFromSmem<T, kHeadDim, kM, 1>(s, sk, warp * 16, sq(buf), H, lane);
     ScoresFromSmem<T, kHeadDim, kM, 1>(dp, sv, warp * 16, sdo(buf), H, lane);
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
@@ -319,7 +293,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
 
     using Dq = DqTraits<kHeadDim>;
     auto dq_kernel = DqKernel<T, kHeadDim, kMaskable>;
-    JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(dq_kernel, Dq::kSmemBytes));
+    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(
         FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Dq::kBlockM), &grid));
@@ -329,7 +303,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   if (p.batch * p.kv_len * p.kv_heads > 0) {
     using Dkv = DkvTraits<kHeadDim>;
     auto dkv_kernel = DkvKernel<T, kHeadDim, kMaskable>;
-    JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(dkv_kernel, Dkv::kSmemBytes));
+    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dkv_kernel, Dkv::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(p.batch * p.kv_heads,
                                          CeilDiv(p.kv_len, Dkv::kBlockN) * Dkv::kSlices, &grid));

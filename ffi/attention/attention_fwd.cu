@@ -46,16 +46,12 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
-  const int m_blocks = (static_cast<int>(p.q_len) + kM - 1) / kM;
-  const int64_t head = blockIdx.x / m_blocks;
-  const int m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);  // causal: longest first
-  const int64_t r = head % p.group;
-  const int64_t kh = (head / p.group) % p.kv_heads;
-  const int64_t b = head / (p.group * p.kv_heads);
-  const HeadOffsets off = MakeHeadOffsets(p, b, kh, r);
+  const QueryTile tile = DecodeQueryTile(p, kM);
+  const int64_t b = tile.b;
+  const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);
   const int H = static_cast<int>(p.head_dim);
-  const int m0 = m_block * kM;
+  const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
 
   const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
@@ -71,23 +67,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
 
   float acc_o[kMT][kHeadDim / 8][4];
   float row_max[kMT][2], row_sum[kMT][2];
+  Zero(acc_o);
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
-#pragma unroll
-    for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) acc_o[mi][j][e] = 0.f;
-    }
     row_max[mi][0] = row_max[mi][1] = -INFINITY;
     row_sum[mi][0] = row_sum[mi][1] = 0.f;
   }
 
   auto load_kv = [&](int nb, int buf) {
-    const int n0 = nb * kN;
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk + buf * 2 * kN * kStride, k + n0 * off.kv_ld,
-                                              off.kv_ld, mask.kv_len - n0, H);
-    LoadTileAsync<kN, kHeadDim, Tr::kThreads>(sk + (buf * 2 + 1) * kN * kStride,
-                                              v + n0 * off.kv_ld, off.kv_ld, mask.kv_len - n0, H);
+    LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
@@ -97,8 +85,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kN;
     const int buf = (nb - n_begin) & 1;
-    const T* sk_nb = sk + buf * 2 * kN * kStride;
-    const T* sv_nb = sk_nb + kN * kStride;
+    const T* sk_nb = PairTile<kN, kHeadDim>(sk, buf, 0);
+    const T* sv_nb = PairTile<kN, kHeadDim>(sk, buf, 1);
     CpAsyncWait<0>();
     __syncthreads();  // tile nb in smem; every warp is done with tile nb - 1's buffer
     if (nb + 1 < n_end) {
@@ -107,14 +95,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     }
 
     float acc_s[kMT][kN / 8][4];
-#pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) {
-#pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_s[mi][j][e] = 0.f;
-      }
-    }
+    Zero(acc_s);
     ScoresFromSmem<T, kHeadDim, kN, kMT>(acc_s, sq, warp * kMT * 16, sk_nb, H, lane);
 
     const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
@@ -185,7 +166,7 @@ template <typename T, int kHeadDim, bool kMaskable>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
   auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable>;
-  JAXGPU_RETURN_IF_CUDA_ERROR(AllowDynamicSmem(kernel, Tr::kSmemBytes));
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(
       FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));

@@ -3,17 +3,13 @@
 // backward pass's delta workspace is an output), so XLA may capture them in CUDA graphs.
 #include <string>
 
+#include "common/cuda_status.h"
 #include "attention/attention_cuda.h"
 #include "attention/attention_handlers.h"
 #include "attention/attention_targets.h"
 
 namespace jaxgpu {
 namespace {
-
-ffi::Error CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 ffi::Error CheckCudaSupported(const AttentionParams& p) {
   if (p.dtype == DType::kF32) {

@@ -1,5 +1,6 @@
 // Host-side pieces every attention launcher shares: what the kernels accept, the dtype
-// switch, the flattened grid, and the opt-in to more than 48 KiB of shared memory.
+// switch and the flattened grid (the shared-memory opt-in is common/cuda_utils.cuh's
+// AllowSmem).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,6 +11,7 @@
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
+#include "common/cuda_utils.cuh"
 
 #define JAXGPU_RETURN_IF_CUDA_ERROR(expr)      \
   do {                                         \
@@ -49,13 +51,6 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
   if (n > INT32_MAX) return cudaErrorInvalidConfiguration;
   *grid = dim3(static_cast<unsigned>(n));
   return cudaSuccess;
-}
-
-// Kernels with more than 48 KiB of dynamic shared memory must opt in, once per kernel.
-template <typename Kernel>
-cudaError_t AllowDynamicSmem(Kernel kernel, int bytes) {
-  if (bytes <= 48 * 1024) return cudaSuccess;
-  return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, bytes);
 }
 
 }  // namespace jaxgpu::cuda::attention

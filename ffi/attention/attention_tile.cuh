@@ -54,6 +54,54 @@ __device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p,
   return o;
 }
 
+// The query head and query tile a CTA owns in a FlatGrid over (head, tile): tiles run
+// last-first within a head, so under the causal mask the longest rows start first.
+struct QueryTile {
+  int64_t b, kh, r;  // batch, kv head, query head within the kv head's group
+  int m_block;
+};
+
+__device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
+  const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
+  const int64_t head = blockIdx.x / m_blocks;
+  QueryTile q;
+  q.m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
+  q.r = head % p.group;
+  q.kh = (head / p.group) % p.kv_heads;
+  q.b = head / (p.group * p.kv_heads);
+  return q;
+}
+
+template <int A, int B, int C>
+__device__ __forceinline__ void Zero(float (&x)[A][B][C]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i) {
+#pragma unroll
+    for (int j = 0; j < B; ++j) {
+#pragma unroll
+      for (int k = 0; k < C; ++k) x[i][j][k] = 0.f;
+    }
+  }
+}
+
+// Double-buffered pairs of (kRows, kDim) smem tiles laid out [buffer][pair member]: K and V
+// (forward, dQ) or Q and dO (dK/dV). Tile `which` (0 or 1) of buffer `buf`:
+template <int kRows, int kDim, typename T>
+__device__ __forceinline__ T* PairTile(T* base, int buf, int which) {
+  return base + (2 * buf + which) * kRows * SmemTile<kDim>::kStride;
+}
+
+// Copies rows [row0, row0 + kRows) of two global matrices a and b (same row stride ld,
+// `valid` rows in all) into buffer `buf` of a pair (see LoadTileAsync for the tails).
+template <int kRows, int kDim, int kThreads, typename T>
+__device__ __forceinline__ void LoadPairAsync(T* base, int buf, const T* a, const T* b,
+                                              int64_t ld, int row0, int valid, int dim) {
+  LoadTileAsync<kRows, kDim, kThreads>(PairTile<kRows, kDim>(base, buf, 0), a + row0 * ld, ld,
+                                       valid - row0, dim);
+  LoadTileAsync<kRows, kDim, kThreads>(PairTile<kRows, kDim>(base, buf, 1), b + row0 * ld, ld,
+                                       valid - row0, dim);
+}
+
 // Scores of a warp's kMT x 16 rows of A (rows a_row0.. of tile A, consecutive) against the
 // kN rows of tile B, both (rows, kDim) in smem: acc[m-tile][n-tile][4] += A B^T over
 // feature columns [0, dim). Each B fragment is loaded once and feeds all kMT row tiles:

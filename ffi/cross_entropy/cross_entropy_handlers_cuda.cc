@@ -3,17 +3,13 @@
 // scratch), so the handlers are safe to capture in CUDA graphs (kCmdBufferCompatible).
 #include <string>
 
+#include "common/cuda_status.h"
 #include "cross_entropy/cross_entropy_cuda.h"
 #include "cross_entropy/cross_entropy_handlers.h"
 #include "cross_entropy/cross_entropy_targets.h"
 
 namespace jaxgpu {
 namespace {
-
-ffi::Error CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 ffi::Error CrossEntropyFwdCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::AnyBuffer labels,
                                ffi::Result<ffi::AnyBuffer> loss, ffi::Result<ffi::AnyBuffer> lse,

@@ -5,17 +5,13 @@
 // to capture in CUDA graphs (kCmdBufferCompatible).
 #include <string>
 
+#include "common/cuda_status.h"
 #include "norm/norm_cuda.h"
 #include "norm/norm_handlers.h"
 #include "norm/norm_targets.h"
 
 namespace jaxgpu {
 namespace {
-
-ffi::Error CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 template <NormKind kKind>
 ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer residual,

@@ -2,6 +2,7 @@
 // stream. No syncs, no allocation: safe to capture in CUDA graphs (kCmdBufferCompatible).
 #include <string>
 
+#include "common/cuda_status.h"
 #include "rope/rope_cuda.h"
 #include "rope/rope_handlers.h"
 #include "rope/rope_targets.h"
@@ -16,9 +17,7 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer positi
   RopeParams p;
   JAXGPU_RETURN_IF_ERROR(MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved,
                                         heads_per_thread, unroll, kInverse, &p));
-  const cudaError_t err = cuda::LaunchRope(p, stream);
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string("rope launch: ") + cudaGetErrorString(err));
+  return CudaStatus(cuda::LaunchRope(p, stream), "rope launch");
 }
 
 }  // namespace

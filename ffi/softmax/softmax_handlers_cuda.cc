@@ -3,17 +3,13 @@
 // (kCmdBufferCompatible).
 #include <string>
 
+#include "common/cuda_status.h"
 #include "softmax/softmax_cuda.h"
 #include "softmax/softmax_handlers.h"
 #include "softmax/softmax_targets.h"
 
 namespace jaxgpu {
 namespace {
-
-ffi::Error CudaStatus(cudaError_t err, const char* what) {
-  if (err == cudaSuccess) return ffi::Error::Success();
-  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(err));
-}
 
 ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer mask,
                           ffi::Result<ffi::AnyBuffer> y, float scale, bool causal, bool has_mask,

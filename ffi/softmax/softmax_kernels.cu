@@ -11,7 +11,7 @@
 // split into 16-byte vectors of VEC elements; `tpr` threads (a power of two) share a row,
 // thread t owning vectors t, t + tpr, ...; rows narrower than 256 threads share a block
 // (blockDim.y rows). The forward pass over rows of whole 16-byte vectors, up to 4096 of
-// them, takes one of the one-pass kernels (version 2, SoftmaxFwdPipe or SoftmaxFwdRegs: one
+// them, takes the one-pass kernel (version 2, SoftmaxFwdRegs: one
 // exp per element, one reduction per row; see there). Otherwise two kernels per pass:
 //   staged  the row cp.async'ed into shared memory (scalar loads when S is not a whole
 //           number of vectors), then every pass reads it from there: one read of x. The
@@ -527,24 +527,15 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
 //      (2 extra exps a thread per row; rows of at most 32 threads need none);
 //   4. y = e * exp(warp max - row max) / sum, streaming stores.
 // One ex2 per element (half of version 1's MUFU time), one barrier per row (none for rows of
-// <= 32 threads). Registers (ptxas, sm_90, bf16, no mask): regs 39 / 60 / 98 and pipe
-// 38 / 64 / 108 at 2 / 4 / 8 vectors a thread, no spills: mostly the exps' VPT * VEC floats.
-// Two ways to feed it (JAXGPU_SOFTMAX_TUNE picks, see the launcher):
-//   regs  SoftmaxFwdRegs: every vector of the row loaded straight into registers, one block
-//         per 256 threads' rows; bytes in flight = resident rows (the norm kernels' version 1:
-//         ~4 rows of 16 KiB per SM, 2437 GB/s there).
-//   pipe  SoftmaxFwdPipe: persistent blocks, each thread cp.async'ing its vectors of the next
-//         kStages - 1 rows into shared memory (no registers) while it computes the current row
-//         from registers: ~2 rows in flight per block at all times (the norm backward's
-//         staged pipeline), at the cost of kStages * 16 KiB of shared memory per block.
-// Neither needs the row in shared memory for a reduction: a thread reads back only what it
-// copied itself, so the stages need no barrier.
+// <= 32 threads). Registers (ptxas, sm_90, bf16, no mask): 39 / 60 / 98 at 2 / 4 / 8
+// vectors a thread, no spills: mostly the exps' VPT * VEC floats. The row is loaded straight
+// into registers, one block per 256 threads' rows. Measured on the H100 (TUNING.md): 2944
+// GB/s at (16384, 8192) bf16, where persistent blocks cp.async'ing the next 1-2 rows into
+// shared memory while computing the current one reached only 2265-2599 (removed).
 
 // Shared scratch of step 3: a (max, sum) pair per warp of a row, for at most 4 rows a block
-// (rows wider than a warp: tpr >= 64, so at most 256 / 64 rows share a block), in two slots
-// used by alternate rows, so that a row's writes never race the previous row's reads.
-constexpr int kOnePassScratchFloats = 2 * 4 * 2 * 32;
-constexpr int64_t kOnePassScratchBytes = sizeof(float) * kOnePassScratchFloats;
+// (rows wider than a warp: tpr >= 64, so at most 256 / 64 rows share a block).
+constexpr int kOnePassScratchFloats = 4 * 2 * 32;
 
 // 8 vectors a thread (64 floats of exps) need more than the 64 registers a thread of a
 // 1024-thread block may have: those blocks stop at 512 threads (128 registers).
@@ -580,11 +571,11 @@ __device__ __forceinline__ void Unpack(const Vec<T, VEC> v, float (&f)[VEC]) {
 // the scale) in v, at column first + k * step; it is called (twice: the max, then the exps)
 // only below `lim`, so the thread's row stays in its storage type until the exps replace it.
 // keep: RowKeepBits. Every thread of the block must call it (step 3 has a barrier when
-// tpr > 32). `slot`: alternate between rows.
+// tpr > 32).
 template <typename T, int VEC, int VPT, bool kKeep, typename Load>
 __device__ __forceinline__ void OnePassRow(const Load& load, uint64_t keep, int lim, int S,
                                            float scale, void* y, int64_t base, bool valid,
-                                           float* scratch, int tpr, int slot) {
+                                           float* scratch, int tpr) {
   const int first = int(threadIdx.x) * VEC;
   const int step = tpr * VEC;
   auto kept = [&](int k, int j) { return !kKeep || ((keep >> (k * VEC + j)) & 1u); };
@@ -631,7 +622,7 @@ __device__ __forceinline__ void OnePassRow(const Load& load, uint64_t keep, int 
   if (tpr > 32) {
     const int lane = int(threadIdx.x) & 31;
     const int warps = tpr / 32;
-    float* pairs = scratch + (slot * 4 + threadIdx.y) * 64;
+    float* pairs = scratch + threadIdx.y * 64;
     if (lane == 0) {
       pairs[threadIdx.x / 32] = m;
       pairs[32 + threadIdx.x / 32] = s;
@@ -698,77 +689,7 @@ __global__ void __launch_bounds__(OnePassMaxThreads<VPT>())
                                                  valid);
   }
   auto load = [&](int k, float (&f)[VEC]) { Unpack<T, VEC>(v[k], f); };
-  OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, base, valid, scratch, tpr, 0);
-}
-
-// pipe: gridDim.x <= `groups` persistent blocks of (tpr, rows per block) threads; block b
-// takes the groups of blockDim.y rows b, b + gridDim.x, ...: min_iters = groups / gridDim.x
-// of them, or one more (from the host: a 64-bit division here is a call, around which
-// ptxas saves registers). Stage layout (stage_bytes each, a multiple of 16): the block's x
-// rows, then, for a mask along S, their mask rows.
-template <typename T, int VEC, int VPT, int kStages, bool kCausal, bool kMask>
-__global__ void __launch_bounds__(OnePassMaxThreads<VPT>())
-    SoftmaxFwdPipe(const FwdArgs a, int tpr, int64_t groups, int min_iters, int stage_bytes) {
-  static_assert(kStages >= 2, "one stage in flight while one is computed");
-  constexpr bool kKeep = kCausal || kMask;
-  extern __shared__ __align__(16) unsigned char staged[];
-  __shared__ float scratch[kOnePassScratchFloats];
-  const SoftmaxFwdParams& p = a.p;
-  const int S = static_cast<int>(p.cols);
-  const int first = int(threadIdx.x) * VEC;
-  const int step = tpr * VEC;
-  const bool mask_vec = kMask && p.mask_col_stride != 0;
-  const int x_off = int(threadIdx.y) * S * int(sizeof(T));
-  const int m_off = int(blockDim.y) * S * int(sizeof(T)) + int(threadIdx.y) * S;
-  const int iters = min_iters + (blockIdx.x < groups - int64_t(min_iters) * gridDim.x ? 1 : 0);
-  auto row_of = [&](int it) {
-    return (int64_t(blockIdx.x) + int64_t(it) * gridDim.x) * blockDim.y + threadIdx.y;
-  };
-
-  // Stage the row of iteration `it` (if any): one commit group per iteration, even empty.
-  auto issue = [&](int it) {
-    const int64_t row = row_of(it);
-    if (it < iters && row < p.rows) {
-      unsigned char* st = staged + (it % kStages) * stage_bytes;
-      T* xs = reinterpret_cast<T*>(st + x_off);
-      const T* x = static_cast<const T*>(p.x) + row * p.cols;
-      RowInfo r{0, S - 1};
-      if (kKeep) r = GetRowInfo<kCausal, kMask, true>(a, row);
-#pragma unroll
-      for (int k = 0; k < VPT; ++k) {
-        const int c = first + k * step;
-        if (c <= r.last) {
-          CpAsync16(xs + c, x + c);
-          if (mask_vec) CpAsyncSmall<VEC>(st + m_off + c, p.mask + r.mask_off + c);
-        }
-      }
-    }
-    CpAsyncCommit();
-  };
-
-  for (int s = 0; s < kStages - 1; ++s) issue(s);
-  for (int it = 0; it < iters; ++it) {
-    issue(it + kStages - 1);
-    CpAsyncWait<kStages - 1>();  // this thread's copies of iteration `it` have landed
-    const int64_t row = row_of(it);
-    const bool valid = row < p.rows;
-    RowInfo r{0, S - 1};
-    if (kKeep && valid) r = GetRowInfo<kCausal, kMask, true>(a, row);
-    const int lim = valid ? r.last + 1 : 0;
-    const unsigned char* st = staged + (it % kStages) * stage_bytes;
-    const T* xs = reinterpret_cast<const T*>(st + x_off);
-    uint64_t keep = ~uint64_t(0);
-    if constexpr (kKeep) {
-      // A mask broadcast along S is one byte a row, read from global memory here.
-      const uint8_t* mrow = mask_vec ? st + m_off : p.mask + r.mask_off;
-      keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, mrow, lim, first, step, valid);
-    }
-    auto load = [&](int k, float (&f)[VEC]) {
-      Unpack<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + first + k * step), f);
-    };
-    OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, row * p.cols, valid, scratch,
-                                   tpr, it & 1);
-  }
+  OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, base, valid, scratch, tpr);
 }
 
 // ---- backward --------------------------------------------------------------------------------
@@ -870,8 +791,6 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxBwdLoop(const BwdArgs a) {
 // Forward kernels of rows of whole 16-byte vectors (rows too wide for the one-pass kernels,
 // more than 4096 vectors, and 2^31 rows or more take version 1 whatever is asked).
 enum class FwdKernel {
-  kPipe3,   // SoftmaxFwdPipe, 3 stages (2 rows in flight a block); else pipe2, else regs
-  kPipe2,   // SoftmaxFwdPipe, 2 stages; else regs
   kRegs,    // SoftmaxFwdRegs
   kStaged,  // version 1: SoftmaxFwdStaged
 };
@@ -884,9 +803,7 @@ struct Tune {
 // Developer knob for tuning runs (benchmarks/, not for users), read once per process:
 // JAXGPU_SOFTMAX_TUNE="a,b[,kernel]" overrides the target vectors per thread of the forward
 // (a) and backward (b) kernels (0 keeps the default) and picks the forward kernel: regs (the
-// default), pipe3, pipe2 or staged (version 1, for A/B runs). Measured on the H100, bf16
-// (16384, 8192), 4 vectors a thread: regs 2944 GB/s, pipe3 2265 (2599 at 8), pipe2 2556,
-// staged 2259; jax.nn.softmax 2868 in the same session.
+// default) or staged (version 1, for A/B runs; 2259 GB/s against regs' 2944 on the H100).
 const Tune& GetTune() {
   static const Tune tune = [] {
     Tune t{{0, 0}, FwdKernel::kRegs};
@@ -894,9 +811,7 @@ const Tune& GetTune() {
     if (env == nullptr) return t;
     char name[16] = "";
     std::sscanf(env, "%d,%d,%15s", &t.vpt[0], &t.vpt[1], name);
-    const std::pair<const char*, FwdKernel> kinds[] = {{"pipe3", FwdKernel::kPipe3},
-                                                       {"pipe2", FwdKernel::kPipe2},
-                                                       {"regs", FwdKernel::kRegs},
+    const std::pair<const char*, FwdKernel> kinds[] = {{"regs", FwdKernel::kRegs},
                                                        {"staged", FwdKernel::kStaged}};
     bool known = name[0] == '\0';
     for (const auto& [n, k] : kinds) {
@@ -998,51 +913,8 @@ OnePassConfig ChooseOnePass(int64_t nvec, int target_vpt) {
   return c;
 }
 
-template <typename T, int VEC, int VPT, int kStages, bool kCausal, bool kMask>
-cudaError_t LaunchPipe(const FwdArgs& a, const OnePassConfig& c, int64_t stage_bytes,
-                       cudaStream_t stream) {
-  const auto kernel = SoftmaxFwdPipe<T, VEC, VPT, kStages, kCausal, kMask>;
-  const int64_t smem = kStages * stage_bytes;
-  cudaError_t err = AllowSmem(kernel, smem);
-  // The blocks' residency is bound by their stages: all the shared memory the SM can have.
-  if (err == cudaSuccess) {
-    err = cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout,
-                               cudaSharedmemCarveoutMaxShared);
-  }
-  const int threads = c.tpr * c.rows_per_block;
-  int per_sm = 0;
-  if (err == cudaSuccess) {
-    err = cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, threads, smem);
-  }
-  if (err != cudaSuccess) return err;
-  // As many blocks as are resident at once, each taking the same number of row groups (but
-  // for the last few blocks' one fewer), so that no block trails a whole row behind.
-  const int64_t groups = CeilDiv(a.p.rows, c.rows_per_block);
-  const int64_t resident = int64_t(std::max(per_sm, 1)) * SmCount();
-  const int64_t blocks = CeilDiv(groups, CeilDiv(groups, resident));
-  const int64_t min_iters = groups / blocks;
-  if (min_iters >= INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<blocks, dim3(c.tpr, c.rows_per_block), smem, stream>>>(
-      a, c.tpr, groups, static_cast<int>(min_iters), static_cast<int>(stage_bytes));
-  return cudaGetLastError();
-}
-
 template <typename T, int VEC, int VPT, bool kCausal, bool kMask>
-cudaError_t LaunchOnePass(const FwdArgs& a, const OnePassConfig& c, FwdKernel kind,
-                          cudaStream_t stream) {
-  if (kind == FwdKernel::kPipe3 || kind == FwdKernel::kPipe2) {
-    // x's rows of the block, then their mask rows (a mask along S: VEC bytes a vector).
-    const bool mask_vec = kMask && a.p.mask_col_stride != 0;
-    const int64_t stage_bytes =
-        CeilDiv(int64_t(c.rows_per_block) * a.p.cols * (sizeof(T) + (mask_vec ? 1 : 0)), 16) * 16;
-    const int64_t max_smem = MaxStagedBytes(kOnePassScratchBytes);
-    if (kind == FwdKernel::kPipe3 && 3 * stage_bytes <= max_smem) {
-      return LaunchPipe<T, VEC, VPT, 3, kCausal, kMask>(a, c, stage_bytes, stream);
-    }
-    if (2 * stage_bytes <= max_smem) {
-      return LaunchPipe<T, VEC, VPT, 2, kCausal, kMask>(a, c, stage_bytes, stream);
-    }
-  }
+cudaError_t LaunchOnePass(const FwdArgs& a, const OnePassConfig& c, cudaStream_t stream) {
   const int64_t blocks = CeilDiv(a.p.rows, c.rows_per_block);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;  // one grid dimension
   SoftmaxFwdRegs<T, VEC, VPT, kCausal, kMask>
@@ -1063,7 +935,7 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
       const OnePassConfig c = ChooseOnePass(S / kFull, TunedVpt(0, 4));
       if (c.fits) {
         return JAXGPU_SOFTMAX_VPT_SWITCH(c.vpt, VPT, [&] {
-          return LaunchOnePass<T, kFull, VPT, kCausal, kMask>(a, c, tune.fwd, stream);
+          return LaunchOnePass<T, kFull, VPT, kCausal, kMask>(a, c, stream);
         });
       }
     }
