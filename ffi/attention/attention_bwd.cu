@@ -54,11 +54,12 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
 // (-inf where masked), dp the products dO V^T; row_lse2 / row_delta give each element's
 // query statistics. p = exp2(x - lse2) (0 where masked, also on rows with nothing visible,
 // whose lse is -inf); ds = p (dp - delta), times the softcap's derivative 1 - (c / cap)^2.
+template <bool kSoftcap>
 __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
                                               const LogitScale& ls) {
   const float pr = x == -INFINITY ? 0.f : FastExp2(x - lse2);
   float ds = pr * (dp - delta);
-  if (ls.cap > 0.f) {
+  if (kSoftcap) {
     const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
     ds = x == -INFINITY ? 0.f : ds * (1.f - c * c);
   }
@@ -74,12 +75,12 @@ struct DqTraits {
   static constexpr int kBlockM = 16 * kWarps;
   static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
-  // Q, dO, and two buffers each of K and V.
-  static constexpr int kSmemBytes =
-      (2 * kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+  // Q, dO, two buffers each of K and V, then the segment ids of Q and of 2 key tiles.
+  static constexpr int kSegOffset = (2 * kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
     DqKernel(AttentionParams p, LogitScale ls) {
   using Tr = DqTraits<kHeadDim>;
@@ -91,6 +92,8 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   T* skv = sdo + kM * kStride;  // [buffer][K, V]
   auto sk = [&](int buf) { return PairTile<kN, kHeadDim>(skv, buf, 0); };
   auto sv = [&](int buf) { return PairTile<kN, kHeadDim>(skv, buf, 1); };
+  int32_t* sq_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kSegOffset);
+  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;
@@ -98,6 +101,7 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
@@ -118,12 +122,16 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   float acc_dq[1][kHeadDim / 8][4];
   Zero(acc_dq);
 
-  int key_lo, key_hi;
+  // The CTA's key tiles, and the narrower range this warp's 16 rows see (as the forward).
+  int key_lo, key_hi, warp_key_lo = 0, warp_key_hi = 0;
   mask.KeyRange(m0, m_last, &key_lo, &key_hi);
   const int n_begin = key_lo / kN;
   const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
+  const int row1 = min(row0 + 16, mask.q_len) - 1;
+  if (row0 < mask.q_len) mask.KeyRange(row0, row1, &warp_key_lo, &warp_key_hi);
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
+    if (segments) LoadSegmentsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, static_cast<const T*>(p.q) + off.q +
@@ -132,6 +140,7 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + off.q +
                                                        m0 * off.q_ld,
                                               off.q_ld, mask.q_len - m0, H);
+    if (segments) LoadSegmentsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
@@ -144,18 +153,23 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
       load_kv(nb + 1, buf ^ 1);
       CpAsyncCommit();
     }
+    if (n0 >= warp_key_hi || n0 + kN <= warp_key_lo) continue;
+    const TileMasking tm = DecideMasking<kMaskable>(mask, segments, row0, row1, n0, n0 + kN - 1,
+                                                    sq_seg + warp * 16, 16,
+                                                    skv_seg + buf * kN, kN, lane);
+    if (tm.skip) continue;
     float s[1][kN / 8][4], dp[1][kN / 8][4];
     Zero(s);
     Zero(dp);
     ScoresFromSmem<T, kHeadDim, kN, 1>(s, sq, warp * 16, sk(buf), H, lane);
     ScoresFromSmem<T, kHeadDim, kN, 1>(dp, sdo, warp * 16, sv(buf), H, lane);
-    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
-    ToLogits<false, kN>(s[0], ls, mask, masked, row0, n0, lane);
+    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, row0, n0, tm.row_seg, tm.col_seg,
+                                  lane);
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        ProbsAndGrads(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
+        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
       }
     }
     AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, 1>(acc_dq, dp, sk(buf), 0, H, lane);
@@ -176,12 +190,13 @@ struct DkvTraits {
   static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
   static constexpr int kSlices = kHeadDim / kAccDim;
   static constexpr int kThreads = 32 * kWarps;
-  // K, V, and two buffers each of Q and dO.
-  static constexpr int kSmemBytes =
-      (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
+  // K, V, two buffers each of Q and dO, then the segment ids of the keys and of 2 query
+  // tiles.
+  static constexpr int kSegOffset = (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockN + 2 * kBlockM) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
     DkvKernel(AttentionParams p, LogitScale ls) {
   using Tr = DkvTraits<kHeadDim>;
@@ -193,6 +208,8 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   T* sqdo = sv + kN * kStride;  // [buffer][Q, dO]
   auto sq = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 0); };
   auto sdo = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 1); };
+  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kSegOffset);
+  int32_t* sq_seg = skv_seg + kN;  // [buffer][kM]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = lane & 3;
@@ -204,6 +221,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   const int64_t kh = kv_head % p.kv_heads;
   const int64_t b = kv_head / p.kv_heads;
   const Mask mask = MakeMask(p, b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int n0 = n_block * kN;
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
@@ -218,21 +236,27 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
   Zero(acc_dk);
   Zero(acc_dv);
 
-  int q_lo, q_hi;
+  // The CTA's query tiles, and the narrower range this warp's 16 keys are seen from.
+  int q_lo, q_hi, warp_q_lo = 0, warp_q_hi = 0;
   mask.QueryRange(n0, n_last, &q_lo, &q_hi);
   const int m_begin = q_lo / kM;
   const int m_count = q_hi > q_lo ? (q_hi + kM - 1) / kM - m_begin : 0;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
+  const int key1 = min(key0 + 16, mask.kv_len) - 1;
+  if (key0 < mask.kv_len) mask.QueryRange(key0, key1, &warp_q_lo, &warp_q_hi);
   auto load_qdo = [&](int step, int buf) {
     const int64_t head = off0.q + (step / m_count) * p.head_dim;  // query head r of the group
-    LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, buf, q + head, d_o + head, off0.q_ld,
-                                              (m_begin + step % m_count) * kM, mask.q_len, H);
+    const int m0 = (m_begin + step % m_count) * kM;
+    LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, buf, q + head, d_o + head, off0.q_ld, m0,
+                                              mask.q_len, H);
+    if (segments) LoadSegmentsAsync(sq_seg + buf * kM, mask.q_seg, m0, mask.q_len, kM);
   };
   if (steps > 0) {
     // sk, sv are buffer 0 of a pair
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, 0, static_cast<const T*>(p.k) + off0.kv,
                                               static_cast<const T*>(p.v) + off0.kv, off0.kv_ld, n0,
                                               mask.kv_len, H);
+    if (segments) LoadSegmentsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
     load_qdo(0, 0);
     CpAsyncCommit();
   }
@@ -248,13 +272,19 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
     }
     // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
     const int64_t stats = off0.stats + r * p.q_len;
+    if (m0 >= warp_q_hi || m0 + kM <= warp_q_lo) continue;
+    // Queries past T need no mask: their lse = +inf below gives p = 0.
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + 15,
+        skv_seg + warp * 16, 16, sq_seg + buf * kM, kM, lane);
+    if (tm.skip) continue;
     float s[1][kM / 8][4], dp[1][kM / 8][4];
     Zero(s);
     Zero(dp);
     ScoresFromSmem<T, kHeadDim, kM, 1>(s, sk, warp * 16, sq(buf), H, lane);
     ScoresFromSmem<T, kHeadDim, kM, 1>(dp, sv, warp * 16, sdo(buf), H, lane);
-    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
-    ToLogits<true, kM>(s[0], ls, mask, masked, key0, m0, lane);
+    ToLogits<true, kM, kSoftcap>(s[0], ls, mask, tm.masked, key0, m0, tm.row_seg, tm.col_seg,
+                                 lane);
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
       float lse2[2], delta[2];
@@ -267,7 +297,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
       }
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        ProbsAndGrads(s[0][j][e], dp[0][j][e], lse2[e & 1], delta[e & 1], ls);
+        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e & 1], delta[e & 1], ls);
       }
     }
     AccumulateFromRegs<T, kM, kAcc, kHeadDim, 1>(acc_dv, s, sdo(buf), col0, H, lane);
@@ -281,7 +311,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
                             lane);
 }
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   const LogitScale ls = MakeLogitScale(p.scale, p.softcap);
   const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
@@ -292,7 +322,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
 
     using Dq = DqTraits<kHeadDim>;
-    auto dq_kernel = DqKernel<T, kHeadDim, kMaskable>;
+    auto dq_kernel = DqKernel<T, kHeadDim, kMaskable, kSoftcap>;
     JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -302,7 +332,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {
     using Dkv = DkvTraits<kHeadDim>;
-    auto dkv_kernel = DkvKernel<T, kHeadDim, kMaskable>;
+    auto dkv_kernel = DkvKernel<T, kHeadDim, kMaskable, kSoftcap>;
     JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dkv_kernel, Dkv::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(p.batch * p.kv_heads,
@@ -323,7 +353,9 @@ cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream) {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (DqTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
-        return Launch<T, D, kMaskable>(p, stream);
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return Launch<T, D, kMaskable, kSoftcap>(p, stream);
+        });
       });
     });
   });

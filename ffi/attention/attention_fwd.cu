@@ -30,11 +30,12 @@ struct FwdTraits {
   static constexpr int kBlockM = 16 * kWarps * kMTiles;
   static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
-  static constexpr int kSmemBytes =
-      (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;  // Q, 2 x (K, V)
+  // Q, 2 x (K, V), then the segment ids of the query tile and of 2 key tiles.
+  static constexpr int kSegOffset = (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     AttentionFwdKernel(AttentionParams p, LogitScale ls) {
   using Tr = FwdTraits<kHeadDim>;
@@ -43,6 +44,8 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sq = reinterpret_cast<T*>(smem_raw);
   T* sk = sq + kM * kStride;  // [buffer][K, V]
+  int32_t* sq_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kSegOffset);
+  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, t = lane & 3;
@@ -50,6 +53,7 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
@@ -60,10 +64,15 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
   float* lse = p.lse + off.stats + m0;
 
-  int key_lo, key_hi;
+  // Key tiles the CTA loads, and the (narrower) key range this warp's rows see: a warp
+  // skips the tiles that are fully masked for its own rows (the causal diagonal).
+  int key_lo, key_hi, warp_key_lo = 0, warp_key_hi = 0;
   mask.KeyRange(m0, m_last, &key_lo, &key_hi);
   const int n_begin = key_lo / kN;
   const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
+  const int warp_row0 = m0 + warp * kMT * 16;
+  const int warp_row1 = min(warp_row0 + kMT * 16, mask.q_len) - 1;
+  if (warp_row0 < mask.q_len) mask.KeyRange(warp_row0, warp_row1, &warp_key_lo, &warp_key_hi);
 
   float acc_o[kMT][kHeadDim / 8][4];
   float row_max[kMT][2], row_sum[kMT][2];
@@ -76,9 +85,11 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
 
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
+    if (segments) LoadSegmentsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
+    if (segments) LoadSegmentsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
@@ -93,16 +104,22 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
       load_kv(nb + 1, buf ^ 1);  // overlaps all of tile nb's math
       CpAsyncCommit();
     }
+    if (n0 >= warp_key_hi || n0 + kN <= warp_key_lo) continue;
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + warp * kMT * 16,
+        kMT * 16, skv_seg + buf * kN, kN, lane);
+    if (tm.skip) continue;
 
     float acc_s[kMT][kN / 8][4];
     Zero(acc_s);
     ScoresFromSmem<T, kHeadDim, kN, kMT>(acc_s, sq, warp * kMT * 16, sk_nb, H, lane);
 
-    const bool masked = kMaskable && !mask.TileFullyVisible(m0, m0 + kM - 1, n0, n0 + kN - 1);
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
-      const int row0 = m0 + (warp * kMT + mi) * 16;
-      ToLogits<false, kN>(acc_s[mi], ls, mask, masked, row0, n0, lane);
+      const int row0 = warp_row0 + mi * 16;
+      ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, row0, n0,
+                                    tm.row_seg ? tm.row_seg + mi * 16 : nullptr, tm.col_seg,
+                                    lane);
       // Online softmax: rows g and g + 8 of the row tile, reduced over the quad.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
@@ -162,10 +179,10 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
   }
 }
 
-template <typename T, int kHeadDim, bool kMaskable>
+template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   using Tr = FwdTraits<kHeadDim>;
-  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable>;
+  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable, kSoftcap>;
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -185,7 +202,9 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
-        return Launch<T, D, kMaskable>(p, stream);
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return Launch<T, D, kMaskable, kSoftcap>(p, stream);
+        });
       });
     });
   });

@@ -2,6 +2,7 @@
 // and per tile, shared by the forward and backward kernels. Semantics: attention_params.h.
 #pragma once
 
+#include <climits>
 #include <cstdint>
 
 #include "attention/attention_params.h"
@@ -48,16 +49,56 @@ struct Mask {
     *hi = h + 1;
   }
 
-  // True when every (i, j) in [i0, i1] x [j0, j1] is visible: the tile skips the
-  // per-element mask (the common case away from the diagonal and the tails).
+  // True when every (i, j) in [i0, i1] x [j0, j1] is visible, segments aside (see
+  // SegmentRange): the tile skips the per-element mask (the common case away from the
+  // diagonal and the tails).
   __device__ __forceinline__ bool TileFullyVisible(int i0, int i1, int j0, int j1) const {
-    if (q_seg != nullptr || j1 >= kv_len) return false;
+    if (j1 >= kv_len) return false;
     if (causal && j1 > i0) return false;
     if (left >= 0 && j0 < i1 - left) return false;
     if (right >= 0 && j1 > i0 + right) return false;
     return true;
   }
 };
+
+// The smallest and largest segment id of a tile's rows or columns, staged in shared memory
+// next to the tile, for the per-tile decision the kernels make before any per-element
+// mask: one segment on both sides means no element is masked by segments, disjoint
+// ranges mean every element is (the tile is skipped). Loading ids per element from
+// global memory inside the softmax cost 2.1x the plain forward time (TUNING.md).
+struct SegmentRange {
+  int lo, hi;
+
+  __device__ __forceinline__ bool OneSegmentWith(const SegmentRange& o) const {
+    return lo == hi && o.lo == o.hi && lo == o.lo;
+  }
+  __device__ __forceinline__ bool DisjointFrom(const SegmentRange& o) const {
+    return hi < o.lo || o.hi < lo;
+  }
+};
+
+// Over ids[0, n) (n <= 64, shared memory), computed by the whole warp (all lanes agree).
+__device__ __forceinline__ SegmentRange WarpSegmentRange(const int32_t* ids, int n, int lane) {
+  int lo = INT_MAX, hi = INT_MIN;
+  for (int i = lane; i < n; i += 32) {
+    lo = min(lo, ids[i]);
+    hi = max(hi, ids[i]);
+  }
+  return {__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi)};
+}
+
+// Copies the segment ids of positions [first, first + n) into shared memory. Positions at
+// or past len repeat the last id (they are masked by position, and must not widen the
+// tile's range). One 4-byte cp.async per thread below n: it joins the caller's group.
+__device__ __forceinline__ void LoadSegmentsAsync(int32_t* dst, const int32_t* ids, int first,
+                                                  int len, int n) {
+  const int i = threadIdx.x;
+  if (i < n) {
+    const int32_t* src = ids + min(first + i, len - 1);
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(src) : "memory");
+  }
+}
 
 // The mask of batch row b, with window sides normalized (see Mask).
 __host__ __device__ inline Mask MakeMask(const AttentionParams& p, int64_t b) {

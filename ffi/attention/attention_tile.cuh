@@ -106,12 +106,21 @@ __device__ __forceinline__ void LoadPairAsync(T* base, int buf, const T* a, cons
 // kN rows of tile B, both (rows, kDim) in smem: acc[m-tile][n-tile][4] += A B^T over
 // feature columns [0, dim). Each B fragment is loaded once and feeds all kMT row tiles:
 // ldmatrix bandwidth (128 B/clk/SM) is what bounds an mma.sync loop.
+//
+// Zero feature columns past `dim` are skipped only in 64-column groups, and only for the
+// 256 tiles (H 136..248): a branch per 16-column step splits the loop into blocks the
+// compiler cannot schedule across, exposing each step's ldmatrix latency to its MMAs.
+template <int kDim>
+__device__ __forceinline__ bool FeatureStepLive(int kk, int dim) {
+  return kDim <= 128 || (kk & 3) != 0 || kk * 16 < dim;
+}
+
 template <typename T, int kDim, int kN, int kMT>
 __device__ __forceinline__ void ScoresFromSmem(float (&acc)[kMT][kN / 8][4], const T* a_tile,
                                                int a_row0, const T* b_tile, int dim, int lane) {
 #pragma unroll
   for (int kk = 0; kk < kDim / 16; ++kk) {
-    if (kk * 16 < dim) {  // feature columns past H are zeros: skip them
+    if (FeatureStepLive<kDim>(kk, dim)) {
       uint32_t a[kMT][4];
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) LoadA<kDim>(a[mi], a_tile, a_row0 + 16 * mi, kk * 16, lane);
@@ -132,7 +141,7 @@ __device__ __forceinline__ void ScoresFromSmem(float (&acc)[kMT][kN / 8][4], con
 // acc += P B over the kK rows of a smem tile B, for output columns [col0, col0 + kAcc):
 // P (kMT x 16 x kK per warp) is in registers as C tiles, converted to 16-bit A fragments
 // on the fly; B is (kK, kTileDim) with n contiguous (V, dO, Q or K). Columns past `dim` are
-// zeros and skipped. Each B fragment feeds all kMT row tiles.
+// zeros, skipped as in ScoresFromSmem. Each B fragment feeds all kMT row tiles.
 template <typename T, int kK, int kAcc, int kTileDim, int kMT>
 __device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4],
                                                    const float (&p)[kMT][kK / 8][4],
@@ -149,7 +158,7 @@ __device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4
     }
 #pragma unroll
     for (int nn = 0; nn < kAcc / 16; ++nn) {
-      if (col0 + nn * 16 < dim) {
+      if (FeatureStepLive<kTileDim>(nn, dim - col0)) {
         uint32_t b[4];
         LoadBKn<kTileDim>(b, b_tile, kk * 16, col0 + nn * 16, lane);
 #pragma unroll
@@ -186,6 +195,38 @@ __device__ __forceinline__ void StoreAccumulator(T* out, int64_t ld, const float
   }
 }
 
+// How a warp treats one tile of queries [q0, q1] x keys [k0, k1] (rows and columns of the
+// warp's score tile are queries and keys, or keys and queries in the dK/dV kernel; row_ids
+// and col_ids are their segment ids in shared memory). Decided once per tile, so only
+// tiles on a mask's edge pay for the per-element mask.
+struct TileMasking {
+  bool skip;               // every element is masked: the warp skips the tile
+  bool masked;             // some element may be: ToLogits masks per element
+  const int32_t* row_seg;  // segment ids ToLogits compares, or nullptr (segments all equal)
+  const int32_t* col_seg;
+};
+
+template <bool kMaskable>
+__device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segments, int q0,
+                                                     int q1, int k0, int k1,
+                                                     const int32_t* row_ids, int rows,
+                                                     const int32_t* col_ids, int cols, int lane) {
+  TileMasking tm{false, false, nullptr, nullptr};
+  if (!kMaskable) return tm;
+  tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
+  if (segments) {
+    const SegmentRange r = WarpSegmentRange(row_ids, rows, lane);
+    const SegmentRange c = WarpSegmentRange(col_ids, cols, lane);
+    tm.skip = r.DisjointFrom(c);
+    if (!r.OneSegmentWith(c)) {
+      tm.masked = true;
+      tm.row_seg = row_ids;
+      tm.col_seg = col_ids;
+    }
+  }
+  return tm;
+}
+
 // Scores to log2-domain logits, in place: x * scale (softcapped if cap > 0) * log2(e), and
 // -inf where masked. Element e of n-tile j of a warp's 16 x kN tile is at row
 // row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
@@ -209,42 +250,27 @@ inline LogitScale MakeLogitScale(float scale, float cap) {
   return s;
 }
 
-template <bool kTransposed, int kN>
+// row_seg / col_seg: the segment ids of rows row0.. and columns col0.. staged in shared
+// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs an
+// ex2 and a reciprocal per logit, which the plain kernels must not carry.
+template <bool kTransposed, int kN, bool kSoftcap>
 __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitScale& ls,
                                          const Mask& mask, bool masked, int row0, int col0,
+                                         const int32_t* row_seg, const int32_t* col_seg,
                                          int lane) {
   const int g = lane >> 2, t = lane & 3;
-  int32_t row_seg[2] = {0, 0};
-  if (masked && mask.q_seg != nullptr) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = row0 + g + 8 * h;
-      if (!kTransposed) row_seg[h] = r < mask.q_len ? mask.q_seg[r] : 0;
-      else row_seg[h] = r < mask.kv_len ? mask.kv_seg[r] : 0;
-    }
-  }
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
-    int32_t col_seg[2] = {0, 0};
-    if (masked && mask.q_seg != nullptr) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int col = col0 + 8 * j + 2 * t + c;
-        if (!kTransposed) col_seg[c] = col < mask.kv_len ? mask.kv_seg[col] : 0;
-        else col_seg[c] = col < mask.q_len ? mask.q_seg[col] : 0;
-      }
-    }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = acc[j][e];
-      x = ls.cap > 0.f ? Softcap(x * ls.scale, ls.cap, ls.inv_cap) * kLog2e : x * ls.scale_log2;
+      x = kSoftcap ? Softcap(x * ls.scale, ls.cap, ls.inv_cap) * kLog2e : x * ls.scale_log2;
       if (masked) {
-        const int r = row0 + g + 8 * (e >> 1);
-        const int c = col0 + 8 * j + 2 * t + (e & 1);
-        const int i = kTransposed ? c : r;
-        const int k = kTransposed ? r : c;
+        const int lr = g + 8 * (e >> 1), lc = 8 * j + 2 * t + (e & 1);
+        const int i = kTransposed ? col0 + lc : row0 + lr;
+        const int k = kTransposed ? row0 + lr : col0 + lc;
         bool ok = mask.Visible(i, k);
-        if (mask.q_seg != nullptr) ok = ok && row_seg[e >> 1] == col_seg[e & 1];
+        if (row_seg != nullptr) ok = ok && row_seg[lr] == col_seg[lc];
         if (!ok) x = -INFINITY;
       }
       acc[j][e] = x;
