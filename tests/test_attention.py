@@ -403,6 +403,14 @@ def test_scale_default_uses_original_head_dim(implementation, rng):
   np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(explicit, np.float32))
 
 
+@pytest.mark.parametrize("scale", (-0.3, 0.0), ids=("negative", "zero"))
+def test_scale_sign_and_zero(scale, implementation, rng):
+  """The kernels take scale > 0: a negative scale's sign moves onto q, a zero scale gives
+  uniform attention with dq = dk = 0. Forward and gradients against the float64 oracle."""
+  run_case(Case(1, 19, 23, 4, 2, 32, jnp.bfloat16, Opts(causal=True, scale=scale)),
+           implementation, rng)
+
+
 def test_matches_jax_nn(implementation, rng):
   """Where every query sees a key, the semantics are jax.nn.dot_product_attention's (GQA,
   causal and window masks, scale)."""
@@ -919,7 +927,8 @@ def test_cpu_kernel_any_head_dim(h, rng):
                         np.repeat(oracle.as_f64(k), 2, axis=2))
   logits = np.where(np.tril(np.ones((13, 11), bool)), 3.0 * np.tanh(raw / 3.0), -np.inf)
   lse64 = np.log(np.exp(logits).sum(-1)).reshape(2, 2, 2, 13)
-  np.testing.assert_allclose(np.asarray(lse), lse64, rtol=1e-6)
+  # atol: an lse near 0 (log of a sum near 1) keeps float32's absolute, not relative, error.
+  np.testing.assert_allclose(np.asarray(lse), lse64, rtol=1e-6, atol=1e-6)
   delta64 = (np.asarray(do, np.float64) * np.asarray(o, np.float64).reshape(do.shape)).sum(-1)
   np.testing.assert_allclose(np.asarray(delta), delta64.transpose(0, 2, 1).reshape(2, 2, 2, 13),
                              rtol=1e-5, atol=1e-6)
@@ -945,6 +954,7 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
                            jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.float32))), "o: unexpected"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), softcap=np.float32(-1.0)), "softcap"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), scale=np.float32(np.nan)), "scale"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), scale=np.float32(-0.5)), "scale: must be finite and > 0"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), window_left=np.int64(-2)), "window_left"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), segs=(jnp.zeros((1, 4), jnp.float32),
                                                    jnp.zeros((1, 6), jnp.float32)),
@@ -967,7 +977,7 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
     (lambda: _raw_fwd(jnp.ones((1, 4, 2, 2, 300)), jnp.ones((1, 6, 2, 300)),
                       jnp.ones((1, 6, 2, 300))), "head dim"),
 ], ids=["q-rank", "k-shape", "v-shape", "v-dtype", "lse-shape", "o-dtype", "softcap", "scale",
-        "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count", "bwd-lse", "do-dtype",
+        "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count", "bwd-lse", "do-dtype",
         "head-dim"])
 def test_handler_rejects_bad_buffers(build, match):
   _needs_cpu()

@@ -51,13 +51,14 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
 }
 
 // Probabilities and score gradients of a score tile, in place: x holds log2-domain logits
-// (-inf where masked), dp the products dO V^T; row_lse2 / row_delta give each element's
-// query statistics. p = exp2(x - lse2) (0 where masked, also on rows with nothing visible,
-// whose lse is -inf); ds = p (dp - delta), times the softcap's derivative 1 - (c / cap)^2.
+// over LogitScale::fold (-inf where masked), dp the products dO V^T; lse2 / delta are the
+// element's query statistics. p = exp2(x fold - lse2) (0 where masked, also on rows with
+// nothing visible, whose lse is -inf); ds = p (dp - delta), times the softcap's derivative
+// 1 - (c / cap)^2.
 template <bool kSoftcap>
 __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
                                               const LogitScale& ls) {
-  const float pr = x == -INFINITY ? 0.f : FastExp2(x - lse2);
+  const float pr = x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
   float ds = pr * (dp - delta);
   if (kSoftcap) {
     const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
@@ -69,22 +70,28 @@ __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, f
 
 // ---- 2. dQ ---------------------------------------------------------------------------------
 
-template <int kHeadDim>
+template <int kHeadDim_, int kShape = 0>
 struct DqTraits {
-  static constexpr int kWarps = 4;
-  static constexpr int kBlockM = 16 * kWarps;
-  static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
+  // 4 warps x 2 row tiles of 16 queries x 32-key tiles up to H = 128: each K/V fragment
+  // feeds both row tiles, and 32 keys keep the score and dP tiles within the registers
+  // left beside the 2 x H / 2 dQ accumulators. H = 256: 1 row tile (128 accumulators).
+  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="dq=N").
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kShape >= 2 ? 8 : 4;
+  static constexpr int kMTiles = (kHeadDim <= 128 && kShape != 1 && kShape != 2) ? 2 : 1;
+  static constexpr int kBlockM = 16 * kWarps * kMTiles;
+  static constexpr int kBlockN = (kHeadDim > 128 || kMTiles == 2) ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
   // Q, dO, two buffers each of K and V, then the segment ids of Q and of 2 key tiles.
   static constexpr int kSegOffset = (2 * kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
   static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads)
     DqKernel(AttentionParams p, LogitScale ls) {
-  using Tr = DqTraits<kHeadDim>;
-  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN;
+  constexpr int kHeadDim = Tr::kHeadDim;
+  constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
   T* sq = reinterpret_cast<T*>(smem_raw);
@@ -105,29 +112,32 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
-  const int row0 = m0 + warp * 16;
+  const int row0 = m0 + warp * kMT * 16;  // this warp's first query
 
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
   T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
 
-  float lse2[2], delta[2];
+  float lse2[kMT][2], delta[kMT][2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = row0 + g + 8 * h;
-    lse2[h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
-    delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = row0 + mi * 16 + g + 8 * h;
+      lse2[mi][h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
+      delta[mi][h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
+    }
   }
 
-  float acc_dq[1][kHeadDim / 8][4];
+  float acc_dq[kMT][kHeadDim / 8][4];
   Zero(acc_dq);
 
-  // The CTA's key tiles, and the narrower range this warp's 16 rows see (as the forward).
+  // The CTA's key tiles, and the narrower range this warp's rows see (as the forward).
   int key_lo, key_hi, warp_key_lo = 0, warp_key_hi = 0;
   mask.KeyRange(m0, m_last, &key_lo, &key_hi);
   const int n_begin = key_lo / kN;
   const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
-  const int row1 = min(row0 + 16, mask.q_len) - 1;
+  const int row1 = min(row0 + kMT * 16, mask.q_len) - 1;
   if (row0 < mask.q_len) mask.KeyRange(row0, row1, &warp_key_lo, &warp_key_hi);
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
@@ -155,36 +165,48 @@ __global__ void __launch_bounds__(DqTraits<kHeadDim>::kThreads)
     }
     if (n0 >= warp_key_hi || n0 + kN <= warp_key_lo) continue;
     const TileMasking tm = DecideMasking<kMaskable>(mask, segments, row0, row1, n0, n0 + kN - 1,
-                                                    sq_seg + warp * 16, 16,
+                                                    sq_seg + warp * kMT * 16, kMT * 16,
                                                     skv_seg + buf * kN, kN, lane);
     if (tm.skip) continue;
-    float s[1][kN / 8][4], dp[1][kN / 8][4];
+    float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
     Zero(s);
     Zero(dp);
-    ScoresFromSmem<T, kHeadDim, kN, 1>(s, sq, warp * 16, sk(buf), H, lane);
-    ScoresFromSmem<T, kHeadDim, kN, 1>(dp, sdo, warp * 16, sv(buf), H, lane);
-    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, row0, n0, tm.row_seg, tm.col_seg,
-                                  lane);
+    ScoresFromSmem<T, kHeadDim, kN, kMT>(s, sq, warp * kMT * 16, sk(buf), H, lane);
+    ScoresFromSmem<T, kHeadDim, kN, kMT>(dp, sdo, warp * kMT * 16, sv(buf), H, lane);
 #pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
+    for (int mi = 0; mi < kMT; ++mi) {
+      ToLogits<false, kN, kSoftcap>(s[mi], ls, mask, tm.masked, row0 + mi * 16, n0,
+                                    tm.row_seg ? tm.row_seg + mi * 16 : nullptr, tm.col_seg,
+                                    lane);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ProbsAndGrads<kSoftcap>(s[mi][j][e], dp[mi][j][e], lse2[mi][e >> 1],
+                                  delta[mi][e >> 1], ls);
+        }
       }
     }
-    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, 1>(acc_dq, dp, sk(buf), 0, H, lane);
+    AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, kMT>(acc_dq, dp, sk(buf), 0, H, lane);
   }
-  StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq[0], ls.scale, warp * 16, mask.q_len - m0, 0, H,
-                                lane);
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+    StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq[mi], ls.scale, (warp * kMT + mi) * 16,
+                                  mask.q_len - m0, 0, H, lane);
+  }
 }
 
 // ---- 3. dK, dV -----------------------------------------------------------------------------
 
-template <int kHeadDim>
+template <int kHeadDim_, int kShape = 0>
 struct DkvTraits {
-  static constexpr int kWarps = 4;
+  // 4 warps of 16 keys, 32 queries per step: the 2 x H / 2 dK, dV accumulators a thread
+  // holds leave room for 32-column score and dP tiles, not 64 (which spilled).
+  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="dkv=N").
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kWarps = kShape >= 2 ? 8 : 4;
   static constexpr int kBlockN = 16 * kWarps;  // keys per CTA, 16 per warp
-  static constexpr int kBlockM = kHeadDim > 128 ? 32 : 64;  // queries per step
+  static constexpr int kBlockM = (kShape == 1 || kShape == 2) ? 64 : 32;  // queries per step
   // dK and dV accumulators are 16 x kAccDim per warp; at H = 256 they would take 256
   // registers, so the feature dim is split over two CTAs (each recomputes P and dS).
   static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
@@ -196,10 +218,10 @@ struct DkvTraits {
   static constexpr int kSmemBytes = kSegOffset + (kBlockN + 2 * kBlockM) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads)
     DkvKernel(AttentionParams p, LogitScale ls) {
-  using Tr = DkvTraits<kHeadDim>;
+  constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM, kAcc = Tr::kAccDim;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -311,7 +333,7 @@ __global__ void __launch_bounds__(DkvTraits<kHeadDim>::kThreads)
                             lane);
 }
 
-template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
+template <typename T, typename Dq, typename Dkv, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   const LogitScale ls = MakeLogitScale(p.scale, p.softcap);
   const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
@@ -321,8 +343,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
 
-    using Dq = DqTraits<kHeadDim>;
-    auto dq_kernel = DqKernel<T, kHeadDim, kMaskable, kSoftcap>;
+    auto dq_kernel = DqKernel<T, Dq, kMaskable, kSoftcap>;
     JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -331,8 +352,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {
-    using Dkv = DkvTraits<kHeadDim>;
-    auto dkv_kernel = DkvKernel<T, kHeadDim, kMaskable, kSoftcap>;
+    auto dkv_kernel = DkvKernel<T, Dkv, kMaskable, kSoftcap>;
     JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dkv_kernel, Dkv::kSmemBytes));
     dim3 grid;
     JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(p.batch * p.kv_heads,
@@ -343,6 +363,29 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
+template <typename T, int D, bool kMaskable, bool kSoftcap>
+cudaError_t LaunchTuned(const AttentionParams& p, cudaStream_t stream) {
+  if constexpr (D == 128) {
+    const int dq = TuneShape("dq"), dkv = TuneShape("dkv");
+    auto with_dkv = [&](auto dq_traits) -> cudaError_t {
+      using DqT = decltype(dq_traits);
+      switch (dkv) {
+        case 1: return Launch<T, DqT, DkvTraits<D, 1>, kMaskable, kSoftcap>(p, stream);
+        case 2: return Launch<T, DqT, DkvTraits<D, 2>, kMaskable, kSoftcap>(p, stream);
+        case 3: return Launch<T, DqT, DkvTraits<D, 3>, kMaskable, kSoftcap>(p, stream);
+        default: return Launch<T, DqT, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
+      }
+    };
+    switch (dq) {
+      case 1: return with_dkv(DqTraits<D, 1>{});
+      case 2: return with_dkv(DqTraits<D, 2>{});
+      case 3: return with_dkv(DqTraits<D, 3>{});
+      default: return with_dkv(DqTraits<D>{});
+    }
+  }
+  return Launch<T, DqTraits<D>, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
+}
+
 }  // namespace
 }  // namespace attention
 
@@ -351,10 +394,11 @@ cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream) {
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
-      // Keys past S in the last tile must be masked in the softmax sums (DqTraits's tile).
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
+      // Keys past S in the dQ kernel's last tile must be masked (64: a multiple of every
+      // DqTraits tile).
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, 64), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, D, kMaskable, kSoftcap>(p, stream);
+          return LaunchTuned<T, D, kMaskable, kSoftcap>(p, stream);
         });
       });
     });

@@ -17,28 +17,30 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-template <int kHeadDim>
+template <int kHeadDim_, int kShape = 0>
 struct FwdTraits {
-  // 4 warps x 2 row tiles (128 queries per CTA) up to H = 128: each K/V fragment a warp
-  // loads feeds both row tiles, halving the shared-memory reads per MMA (ldmatrix, 128
-  // B/clk/SM, bounds an mma.sync loop). H = 256 keeps one row tile: its 128 output
-  // accumulators per thread leave no room. Measured at H = 128, T = 4096, bf16 on the H100
-  // (TFLOP/s non-causal / causal): 4 warps x 2 tiles x 64 keys 209 / 138 (this), x 32 keys
-  // 190 / 140; 8 warps x 1 tile x 64 keys 143 / 105; 4 warps x 1 tile x 64 keys 136 / 103.
-  static constexpr int kWarps = 4;
+  // Up to H = 128: 8 warps x 2 row tiles of 16 queries (256 per CTA) x 64-key tiles. Each
+  // K/V fragment a warp loads feeds both its row tiles, halving the shared-memory reads
+  // per MMA (ldmatrix, 128 B/clk/SM, bounds an mma.sync loop), and each K/V tile copied
+  // into shared memory serves 256 queries, halving the L2 traffic of 128-query CTAs.
+  // H = 256 keeps one row tile of 4 warps: 128 output accumulators per thread leave no
+  // room. Measured at H = 128, T = 4096, bf16 on the H100 (benchmarks/TUNING.md).
+  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="fwd=N").
+  static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
+  static constexpr int kWarps = (kHeadDim <= 128 && kShape != 1) ? 8 : 4;
   static constexpr int kBlockM = 16 * kWarps * kMTiles;
-  static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
+  static constexpr int kBlockN = (kHeadDim > 128 || kShape == 2) ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
   // Q, 2 x (K, V), then the segment ids of the query tile and of 2 key tiles.
   static constexpr int kSegOffset = (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
   static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads)
     AttentionFwdKernel(AttentionParams p, LogitScale ls) {
-  using Tr = FwdTraits<kHeadDim>;
+  constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
   extern __shared__ __align__(16) unsigned char smem_raw[];
@@ -114,13 +116,16 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
     Zero(acc_s);
     ScoresFromSmem<T, kHeadDim, kN, kMT>(acc_s, sq, warp * kMT * 16, sk_nb, H, lane);
 
+    // Online softmax in the log2 domain, rows g and g + 8 of each row tile reduced over the
+    // quad. The scores stay unscaled (LogitScale::fold): exp2(x * fold - max * fold) is one
+    // FFMA and one ex2 per logit.
+    float correction[kMT][2];
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
       const int row0 = warp_row0 + mi * 16;
       ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, row0, n0,
                                     tm.row_seg ? tm.row_seg + mi * 16 : nullptr, tm.col_seg,
                                     lane);
-      // Online softmax: rows g and g + 8 of the row tile, reduced over the quad.
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = row_max[mi][h];
@@ -129,25 +134,31 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Nothing visible yet: keep the sums at 0 (exp2(-inf - 0) = 0, never NaN).
-        const float base = mx == -INFINITY ? 0.f : mx;
-        const float correction = FastExp2(row_max[mi][h] - base);
+        const float base = mx == -INFINITY ? 0.f : mx * ls.fold;
+        correction[mi][h] = FastExp2(row_max[mi][h] * ls.fold - base);
         row_max[mi][h] = mx;
         float sum = 0.f;
 #pragma unroll
         for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
           for (int c = 0; c < 2; ++c) {
-            const float pe = FastExp2(acc_s[mi][j][2 * h + c] - base);
+            const float pe = FastExp2(fmaf(acc_s[mi][j][2 * h + c], ls.fold, -base));
             acc_s[mi][j][2 * h + c] = pe;
             sum += pe;
           }
         }
-        row_sum[mi][h] = row_sum[mi][h] * correction + sum;
+        row_sum[mi][h] = row_sum[mi][h] * correction[mi][h] + sum;
+      }
+    }
+    // Rescaled unconditionally: skipping it when no row of the warp moved its max (a warp
+    // vote and a branch) measured 343 vs 339 TFLOP/s non-causal but 271 vs 288 causal at
+    // H = 128, T = 4096 on the H100.
 #pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          acc_o[mi][j][2 * h] *= correction;
-          acc_o[mi][j][2 * h + 1] *= correction;
-        }
+    for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+      for (int j = 0; j < kHeadDim / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc_o[mi][j][e] *= correction[mi][e >> 1];
       }
     }
     AccumulateFromRegs<T, kN, kHeadDim, kHeadDim, kMT>(acc_o, acc_s, sv_nb, 0, H, lane);
@@ -173,16 +184,17 @@ __global__ void __launch_bounds__(FwdTraits<kHeadDim>::kThreads)
                 MmaType<T>::Pack(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
           }
         }
-        if (t == 0) lse[row] = sum > 0.f ? (row_max[mi][h] + __log2f(sum)) * kLn2 : -INFINITY;
+        if (t == 0) {
+          lse[row] = sum > 0.f ? (row_max[mi][h] * ls.fold + __log2f(sum)) * kLn2 : -INFINITY;
+        }
       }
     }
   }
 }
 
-template <typename T, int kHeadDim, bool kMaskable, bool kSoftcap>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  using Tr = FwdTraits<kHeadDim>;
-  auto kernel = AttentionFwdKernel<T, kHeadDim, kMaskable, kSoftcap>;
+  auto kernel = AttentionFwdKernel<T, Tr, kMaskable, kSoftcap>;
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(
@@ -203,7 +215,11 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, D, kMaskable, kSoftcap>(p, stream);
+          if constexpr (D == 128) {
+            if (TuneShape("fwd") == 1) return Launch<T, FwdTraits<D, 1>, kMaskable, kSoftcap>(p, stream);
+            if (TuneShape("fwd") == 2) return Launch<T, FwdTraits<D, 2>, kMaskable, kSoftcap>(p, stream);
+          }
+          return Launch<T, FwdTraits<D>, kMaskable, kSoftcap>(p, stream);
         });
       });
     });

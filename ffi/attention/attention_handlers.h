@@ -8,7 +8,7 @@
 //        rets  o (B, T, K, R, H) the dtype of q, lse f32 (B, K, R, T)
 //   bwd  args  q, k, v, o, lse, do (the shape of o), q_segment_ids, kv_segment_ids
 //        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace)
-//   attrs (both) scale f32 (finite), softcap f32 (0 = none, else > 0), causal bool,
+//   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
 //        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool
 #pragma once
 
@@ -98,7 +98,11 @@ inline ffi::Error MakeAttentionShape(const ffi::AnyBuffer& q, const ffi::AnyBuff
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(k, q.element_type(), kv_count, "k"));
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(v, q.element_type(), kv_count, "v"));
   JAXGPU_RETURN_IF_ERROR(CheckDims(v, {p->batch, p->kv_len, p->kv_heads, p->head_dim}, "v"));
-  if (!std::isfinite(a.scale)) return ffi::Error::InvalidArgument("scale: must be finite");
+  // > 0: the CUDA kernels fold the scale into exp2 (the Python layer moves a negative
+  // scale's sign onto q and turns a zero scale into q = 0).
+  if (!std::isfinite(a.scale) || !(a.scale > 0.f)) {
+    return ffi::Error::InvalidArgument("scale: must be finite and > 0");
+  }
   if (!(a.softcap >= 0.0f) || !std::isfinite(a.softcap)) {
     return ffi::Error::InvalidArgument("softcap: must be 0 (none) or positive and finite");
   }

@@ -227,15 +227,21 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
   return tm;
 }
 
-// Scores to log2-domain logits, in place: x * scale (softcapped if cap > 0) * log2(e), and
-// -inf where masked. Element e of n-tile j of a warp's 16 x kN tile is at row
+// Scores to log2-domain logits (up to the factor LogitScale::fold), in place: x * scale
+// (softcapped if cap > 0) * log2(e), and -inf where masked. Element e of n-tile j of a warp's 16 x kN tile is at row
 // row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
 // dK/dV kernel (kTransposed: rows are keys, columns queries).
+//
+// Without a softcap, ToLogits leaves the scores unscaled and the softmax folds
+// scale * log2(e) into its exp2 argument, one FFMA per logit instead of a multiply and a
+// subtract (`fold`): masking and the max commute with the scale, which the handler
+// requires to be > 0. With a softcap the logits are scaled in ToLogits and fold = 1.
 struct LogitScale {
   float scale_log2;  // scale * log2(e)
   float scale;
   float cap;         // 0: no softcap
   float inv_cap;
+  float fold;        // multiplier of ToLogits's output in the exp2 argument
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -247,33 +253,42 @@ inline LogitScale MakeLogitScale(float scale, float cap) {
   s.scale = scale;
   s.cap = cap;
   s.inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
+  s.fold = cap > 0.f ? 1.0f : s.scale_log2;
   return s;
 }
 
 // row_seg / col_seg: the segment ids of rows row0.. and columns col0.. staged in shared
-// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs an
-// ex2 and a reciprocal per logit, which the plain kernels must not carry.
+// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs a
+// MUFU op per logit, which the plain kernels must not carry. The mask is one branch per
+// tile around its own loop: a per-element `if (masked)` compiled to a branch per logit
+// that broke up the softmax's schedule (the maskable forward ran at 2/3 the plain one).
 template <bool kTransposed, int kN, bool kSoftcap>
 __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitScale& ls,
                                          const Mask& mask, bool masked, int row0, int col0,
                                          const int32_t* row_seg, const int32_t* col_seg,
                                          int lane) {
+  if (kSoftcap) {
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc[j][e] = Softcap(acc[j][e] * ls.scale, ls.cap, ls.inv_cap) * kLog2e;
+    }
+  }
+  if (!masked) return;
   const int g = lane >> 2, t = lane & 3;
+  int32_t rs[2] = {0, 0};
+  if (row_seg != nullptr) rs[0] = row_seg[g], rs[1] = row_seg[g + 8];
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
+    int32_t cs[2] = {0, 0};
+    if (row_seg != nullptr) cs[0] = col_seg[8 * j + 2 * t], cs[1] = col_seg[8 * j + 2 * t + 1];
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float x = acc[j][e];
-      x = kSoftcap ? Softcap(x * ls.scale, ls.cap, ls.inv_cap) * kLog2e : x * ls.scale_log2;
-      if (masked) {
-        const int lr = g + 8 * (e >> 1), lc = 8 * j + 2 * t + (e & 1);
-        const int i = kTransposed ? col0 + lc : row0 + lr;
-        const int k = kTransposed ? row0 + lr : col0 + lc;
-        bool ok = mask.Visible(i, k);
-        if (row_seg != nullptr) ok = ok && row_seg[lr] == col_seg[lc];
-        if (!ok) x = -INFINITY;
-      }
-      acc[j][e] = x;
+      const int lr = g + 8 * (e >> 1), lc = 8 * j + 2 * t + (e & 1);
+      const int i = kTransposed ? col0 + lc : row0 + lr;
+      const int k = kTransposed ? row0 + lr : col0 + lc;
+      const bool ok = mask.Visible(i, k) && rs[e >> 1] == cs[e & 1];
+      if (!ok) acc[j][e] = -INFINITY;
     }
   }
 }

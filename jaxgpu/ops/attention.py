@@ -405,6 +405,13 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
         query, key, value, scale=scale, is_causal=is_causal, local_window_size=window,
         logit_softcap=softcap, q_segment_ids=segs[0], kv_segment_ids=segs[1])
 
+  if scale <= 0:
+    # The kernels take scale > 0 and fold it into their exp2 argument (one FFMA per logit;
+    # ffi/attention/attention_tile.cuh, LogitScale). The logits are unchanged: a negative
+    # scale's sign moves onto q (exact), and a zero scale makes every logit 0 (q := 0, so
+    # dq and dk are 0 as they must be).
+    query = -query if scale < 0 else jnp.zeros_like(query)
+    scale = -scale if scale < 0 else 1.0
   h = query.shape[-1]
   pad = -h % _HEAD_DIM_ALIGN
   if pad:
