@@ -70,17 +70,17 @@ __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, f
 
 // ---- 2. dQ ---------------------------------------------------------------------------------
 
-template <int kHeadDim_, int kShape = 0>
+template <int kHeadDim_>
 struct DqTraits {
   // 4 warps x 2 row tiles of 16 queries x 32-key tiles up to H = 128: each K/V fragment
   // feeds both row tiles, and 32 keys keep the score and dP tiles within the registers
   // left beside the 2 x H / 2 dQ accumulators. H = 256: 1 row tile (128 accumulators).
-  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="dq=N").
+  // Alternatives measured on the H100: benchmarks/TUNING.md.
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = kShape >= 2 ? 8 : 4;
-  static constexpr int kMTiles = (kHeadDim <= 128 && kShape != 1 && kShape != 2) ? 2 : 1;
+  static constexpr int kWarps = 4;
+  static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kBlockM = 16 * kWarps * kMTiles;
-  static constexpr int kBlockN = (kHeadDim > 128 || kMTiles == 2) ? 32 : 64;
+  static constexpr int kBlockN = 32;
   static constexpr int kThreads = 32 * kWarps;
   // Q, dO, two buffers each of K and V, then the segment ids of Q and of 2 key tiles.
   static constexpr int kSegOffset = (2 * kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
@@ -198,15 +198,14 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
 // ---- 3. dK, dV -----------------------------------------------------------------------------
 
-template <int kHeadDim_, int kShape = 0>
+template <int kHeadDim_>
 struct DkvTraits {
   // 4 warps of 16 keys, 32 queries per step: the 2 x H / 2 dK, dV accumulators a thread
   // holds leave room for 32-column score and dP tiles, not 64 (which spilled).
-  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="dkv=N").
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = kShape >= 2 ? 8 : 4;
+  static constexpr int kWarps = 4;
   static constexpr int kBlockN = 16 * kWarps;  // keys per CTA, 16 per warp
-  static constexpr int kBlockM = (kShape == 1 || kShape == 2) ? 64 : 32;  // queries per step
+  static constexpr int kBlockM = 32;           // queries per step
   // dK and dV accumulators are 16 x kAccDim per warp; at H = 256 they would take 256
   // registers, so the feature dim is split over two CTAs (each recomputes P and dS).
   static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
@@ -363,29 +362,6 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
   return cudaSuccess;
 }
 
-template <typename T, int D, bool kMaskable, bool kSoftcap>
-cudaError_t LaunchTuned(const AttentionParams& p, cudaStream_t stream) {
-  if constexpr (D == 128) {
-    const int dq = TuneShape("dq"), dkv = TuneShape("dkv");
-    auto with_dkv = [&](auto dq_traits) -> cudaError_t {
-      using DqT = decltype(dq_traits);
-      switch (dkv) {
-        case 1: return Launch<T, DqT, DkvTraits<D, 1>, kMaskable, kSoftcap>(p, stream);
-        case 2: return Launch<T, DqT, DkvTraits<D, 2>, kMaskable, kSoftcap>(p, stream);
-        case 3: return Launch<T, DqT, DkvTraits<D, 3>, kMaskable, kSoftcap>(p, stream);
-        default: return Launch<T, DqT, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
-      }
-    };
-    switch (dq) {
-      case 1: return with_dkv(DqTraits<D, 1>{});
-      case 2: return with_dkv(DqTraits<D, 2>{});
-      case 3: return with_dkv(DqTraits<D, 3>{});
-      default: return with_dkv(DqTraits<D>{});
-    }
-  }
-  return Launch<T, DqTraits<D>, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
-}
-
 }  // namespace
 }  // namespace attention
 
@@ -394,11 +370,10 @@ cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream) {
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
-      // Keys past S in the dQ kernel's last tile must be masked (64: a multiple of every
-      // DqTraits tile).
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, 64), kMaskable, [&] {
+      // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return LaunchTuned<T, D, kMaskable, kSoftcap>(p, stream);
+          return Launch<T, DqTraits<D>, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
         });
       });
     });

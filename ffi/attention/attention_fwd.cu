@@ -17,20 +17,19 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-template <int kHeadDim_, int kShape = 0>
+template <int kHeadDim_>
 struct FwdTraits {
   // Up to H = 128: 8 warps x 2 row tiles of 16 queries (256 per CTA) x 64-key tiles. Each
   // K/V fragment a warp loads feeds both its row tiles, halving the shared-memory reads
   // per MMA (ldmatrix, 128 B/clk/SM, bounds an mma.sync loop), and each K/V tile copied
   // into shared memory serves 256 queries, halving the L2 traffic of 128-query CTAs.
   // H = 256 keeps one row tile of 4 warps: 128 output accumulators per thread leave no
-  // room. Measured at H = 128, T = 4096, bf16 on the H100 (benchmarks/TUNING.md).
-  // kShape != 0: the alternatives TUNING.md compares (JAXGPU_ATTENTION_TUNE="fwd=N").
+  // room. Alternatives measured at H = 128, T = 4096 on the H100: benchmarks/TUNING.md.
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
-  static constexpr int kWarps = (kHeadDim <= 128 && kShape != 1) ? 8 : 4;
+  static constexpr int kWarps = kHeadDim <= 128 ? 8 : 4;
   static constexpr int kBlockM = 16 * kWarps * kMTiles;
-  static constexpr int kBlockN = (kHeadDim > 128 || kShape == 2) ? 32 : 64;
+  static constexpr int kBlockN = kHeadDim > 128 ? 32 : 64;
   static constexpr int kThreads = 32 * kWarps;
   // Q, 2 x (K, V), then the segment ids of the query tile and of 2 key tiles.
   static constexpr int kSegOffset = (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
@@ -215,10 +214,6 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          if constexpr (D == 128) {
-            if (TuneShape("fwd") == 1) return Launch<T, FwdTraits<D, 1>, kMaskable, kSoftcap>(p, stream);
-            if (TuneShape("fwd") == 2) return Launch<T, FwdTraits<D, 2>, kMaskable, kSoftcap>(p, stream);
-          }
           return Launch<T, FwdTraits<D>, kMaskable, kSoftcap>(p, stream);
         });
       });

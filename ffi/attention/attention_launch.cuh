@@ -8,8 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <cstdlib>
-#include <string>
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
@@ -31,16 +29,6 @@
   }()
 
 namespace jaxgpu::cuda::attention {
-
-// Tile-shape variant for one kernel ("fwd", "dq", "dkv") from JAXGPU_ATTENTION_TUNE, e.g.
-// "fwd=1,dq=2": a measuring knob (benchmarks/TUNING.md), 0 = the default shapes.
-inline int TuneShape(const char* kernel) {
-  static const char* env = std::getenv("JAXGPU_ATTENTION_TUNE");
-  if (env == nullptr) return 0;
-  const std::string s(env), key = std::string(kernel) + "=";
-  const size_t at = s.find(key);
-  return at == std::string::npos ? 0 : std::atoi(s.c_str() + at + key.size());
-}
 
 // The handler has validated shapes; these are the limits of the CUDA kernels themselves.
 inline cudaError_t CheckLaunchable(const AttentionParams& p) {
