@@ -132,13 +132,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
   float acc_dq[kMT][kHeadDim / 8][4];
   Zero(acc_dq);
 
-  // The CTA's key tiles, and the narrower range this warp's rows see (as the forward).
-  int key_lo, key_hi, warp_key_lo = 0, warp_key_hi = 0;
-  mask.KeyRange(m0, m_last, &key_lo, &key_hi);
-  const int n_begin = key_lo / kN;
-  const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
   const int row1 = min(row0 + kMT * 16, mask.q_len) - 1;
-  if (row0 < mask.q_len) mask.KeyRange(row0, row1, &warp_key_lo, &warp_key_hi);
+  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, row0, row1, kN);
+  const int n_begin = walk.begin, n_end = walk.end;
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
     if (segments) LoadSegmentsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
@@ -163,7 +159,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
       load_kv(nb + 1, buf ^ 1);
       CpAsyncCommit();
     }
-    if (n0 >= warp_key_hi || n0 + kN <= warp_key_lo) continue;
+    if (walk.WarpSkips(n0, kN)) continue;
     const TileMasking tm = DecideMasking<kMaskable>(mask, segments, row0, row1, n0, n0 + kN - 1,
                                                     sq_seg + warp * kMT * 16, kMT * 16,
                                                     skv_seg + buf * kN, kN, lane);
@@ -257,14 +253,10 @@ __global__ void __launch_bounds__(Tr::kThreads)
   Zero(acc_dk);
   Zero(acc_dv);
 
-  // The CTA's query tiles, and the narrower range this warp's 16 keys are seen from.
-  int q_lo, q_hi, warp_q_lo = 0, warp_q_hi = 0;
-  mask.QueryRange(n0, n_last, &q_lo, &q_hi);
-  const int m_begin = q_lo / kM;
-  const int m_count = q_hi > q_lo ? (q_hi + kM - 1) / kM - m_begin : 0;
-  const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
   const int key1 = min(key0 + 16, mask.kv_len) - 1;
-  if (key0 < mask.kv_len) mask.QueryRange(key0, key1, &warp_q_lo, &warp_q_hi);
+  const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, key0, key1, kM);
+  const int m_begin = walk.begin, m_count = walk.end - walk.begin;
+  const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
   auto load_qdo = [&](int step, int buf) {
     const int64_t head = off0.q + (step / m_count) * p.head_dim;  // query head r of the group
     const int m0 = (m_begin + step % m_count) * kM;
@@ -293,7 +285,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     }
     // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
     const int64_t stats = off0.stats + r * p.q_len;
-    if (m0 >= warp_q_hi || m0 + kM <= warp_q_lo) continue;
+    if (walk.WarpSkips(m0, kM)) continue;
     // Queries past T need no mask: their lse = +inf below gives p = 0.
     const TileMasking tm = DecideMasking<kMaskable>(
         mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + 15,

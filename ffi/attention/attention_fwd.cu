@@ -65,15 +65,10 @@ __global__ void __launch_bounds__(Tr::kThreads)
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
   float* lse = p.lse + off.stats + m0;
 
-  // Key tiles the CTA loads, and the (narrower) key range this warp's rows see: a warp
-  // skips the tiles that are fully masked for its own rows (the causal diagonal).
-  int key_lo, key_hi, warp_key_lo = 0, warp_key_hi = 0;
-  mask.KeyRange(m0, m_last, &key_lo, &key_hi);
-  const int n_begin = key_lo / kN;
-  const int n_end = key_hi > key_lo ? (key_hi + kN - 1) / kN : n_begin;
   const int warp_row0 = m0 + warp * kMT * 16;
   const int warp_row1 = min(warp_row0 + kMT * 16, mask.q_len) - 1;
-  if (warp_row0 < mask.q_len) mask.KeyRange(warp_row0, warp_row1, &warp_key_lo, &warp_key_hi);
+  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, warp_row0, warp_row1, kN);
+  const int n_begin = walk.begin, n_end = walk.end;
 
   float acc_o[kMT][kHeadDim / 8][4];
   float row_max[kMT][2], row_sum[kMT][2];
@@ -105,7 +100,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
       load_kv(nb + 1, buf ^ 1);  // overlaps all of tile nb's math
       CpAsyncCommit();
     }
-    if (n0 >= warp_key_hi || n0 + kN <= warp_key_lo) continue;
+    if (walk.WarpSkips(n0, kN)) continue;
     const TileMasking tm = DecideMasking<kMaskable>(
         mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + warp * kMT * 16,
         kMT * 16, skv_seg + buf * kN, kN, lane);

@@ -61,6 +61,36 @@ struct Mask {
   }
 };
 
+// The tiles a CTA walks and the narrower span one warp's rows see, for rows [cta0, cta1]
+// of the CTA and [warp0, warp1] of the warp (last rows clamped to the sequence; a warp with
+// warp0 > warp1 has no rows). kKeyTiles: rows are queries walking key tiles (forward, dQ);
+// otherwise rows are keys walking query tiles (dK/dV). A warp skips the tiles fully masked
+// for its own rows (the causal diagonal), segments aside.
+struct TileWalk {
+  int begin, end;        // tile indices the CTA loads: [begin, end)
+  int warp_lo, warp_hi;  // positions [lo, hi) the warp's rows see
+
+  __device__ __forceinline__ bool WarpSkips(int first, int count) const {
+    return first >= warp_hi || first + count <= warp_lo;
+  }
+};
+
+template <bool kKeyTiles>
+__device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int cta1, int warp0,
+                                                 int warp1, int tile) {
+  auto range = [&](int i0, int i1, int* lo, int* hi) {
+    if (kKeyTiles) m.KeyRange(i0, i1, lo, hi);
+    else m.QueryRange(i0, i1, lo, hi);
+  };
+  TileWalk w{0, 0, 0, 0};
+  int lo, hi;
+  range(cta0, cta1, &lo, &hi);
+  w.begin = lo / tile;
+  w.end = hi > lo ? (hi + tile - 1) / tile : w.begin;
+  if (warp0 <= warp1) range(warp0, warp1, &w.warp_lo, &w.warp_hi);
+  return w;
+}
+
 // The smallest and largest segment id of a tile's rows or columns, staged in shared memory
 // next to the tile, for the per-tile decision the kernels make before any per-element
 // mask: one segment on both sides means no element is masked by segments, disjoint
