@@ -237,7 +237,6 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
 // subtract (`fold`): masking and the max commute with the scale, which the handler
 // requires to be > 0. With a softcap the logits are scaled in ToLogits and fold = 1.
 struct LogitScale {
-  float scale_log2;  // scale * log2(e)
   float scale;
   float cap;         // 0: no softcap
   float inv_cap;
@@ -249,11 +248,10 @@ constexpr float kLn2 = 0.6931471805599453f;
 
 inline LogitScale MakeLogitScale(float scale, float cap) {
   LogitScale s;
-  s.scale_log2 = scale * kLog2e;
   s.scale = scale;
   s.cap = cap;
   s.inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
-  s.fold = cap > 0.f ? 1.0f : s.scale_log2;
+  s.fold = cap > 0.f ? 1.0f : scale * kLog2e;
   return s;
 }
 
