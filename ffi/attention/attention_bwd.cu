@@ -50,22 +50,30 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
   }
 }
 
-// Probabilities and score gradients of a score tile, in place: x holds log2-domain logits
-// over LogitScale::fold (-inf where masked), dp the products dO V^T; lse2 / delta are the
+// Probabilities and score gradients of a score tile. x holds log2-domain logits over
+// LogitScale::fold (-inf where masked), dp the products dO V^T; lse2 / delta are the
 // element's query statistics. p = exp2(x fold - lse2) (0 where masked, also on rows with
-// nothing visible, whose lse is -inf); ds = p (dp - delta), times the softcap's derivative
-// 1 - (c / cap)^2.
+// nothing visible, whose lse is -inf); ds = GradWeight * (dp - delta), where GradWeight is
+// p times the softcap's derivative 1 - (c / cap)^2 (p without a softcap).
+template <bool kSoftcap>
+__device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
+  return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
+}
+
+template <bool kSoftcap>
+__device__ __forceinline__ float GradWeight(float x, float pr, const LogitScale& ls) {
+  if (!kSoftcap) return pr;
+  const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
+  return x == -INFINITY ? 0.f : pr * (1.f - c * c);
+}
+
+// In place: x becomes p, dp becomes ds.
 template <bool kSoftcap>
 __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
                                               const LogitScale& ls) {
-  const float pr = x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
-  float ds = pr * (dp - delta);
-  if (kSoftcap) {
-    const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
-    ds = x == -INFINITY ? 0.f : ds * (1.f - c * c);
-  }
+  const float pr = ProbOfLogit<kSoftcap>(x, lse2, ls);
+  dp = GradWeight<kSoftcap>(x, pr, ls) * (dp - delta);
   x = pr;
-  dp = ds;
 }
 
 // ---- 2. dQ ---------------------------------------------------------------------------------
@@ -196,21 +204,32 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
 template <int kHeadDim_>
 struct DkvTraits {
-  // 4 warps of 16 keys, 32 queries per step: the 2 x H / 2 dK, dV accumulators a thread
-  // holds leave room for 32-column score and dP tiles, not 64 (which spilled).
+  // Warps work in pairs on 32 keys (2 row tiles of 16) per 32-query step: the first warp
+  // of a pair computes P^T = exp(K Q^T - lse) and dV += P^T dO, the second dP^T = V dO^T,
+  // takes P (times the softcap's slope) from the first through shared memory, and
+  // computes dK += dS^T Q. Each warp holds one 32 x kAccDim accumulator, so every Q / dO
+  // fragment it loads feeds both row tiles: half the ldmatrix traffic per MMA of one warp
+  // per 16 keys holding both dK and dV (which ran at 41% tensor-pipe use on the H100,
+  // shared-memory bound, beside 57% for the dQ kernel).
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr int kWarps = 4;
-  static constexpr int kBlockN = 16 * kWarps;  // keys per CTA, 16 per warp
-  static constexpr int kBlockM = 32;           // queries per step
-  // dK and dV accumulators are 16 x kAccDim per warp; at H = 256 they would take 256
-  // registers, so the feature dim is split over two CTAs (each recomputes P and dS).
+  static constexpr int kPairs = 2;
+  static constexpr int kWarps = 2 * kPairs;
+  static constexpr int kPairKeys = 32;
+  static constexpr int kBlockN = kPairs * kPairKeys;  // keys per CTA
+  static constexpr int kBlockM = 32;                  // queries per step
+  // The accumulator is 32 x kAccDim per warp; at H = 256 it would take 256 registers, so
+  // the feature dim is split over two CTAs (each recomputes P and dS).
   static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
   static constexpr int kSlices = kHeadDim / kAccDim;
   static constexpr int kThreads = 32 * kWarps;
-  // K, V, two buffers each of Q and dO, then the segment ids of the keys and of 2 query
-  // tiles.
-  static constexpr int kSegOffset = (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockN + 2 * kBlockM) * 4;
+  // K, V, two buffers each of Q and dO (a third measured no faster); then 4-byte words:
+  // the keys' segment ids, and per buffer the step's query segment ids, lse and delta; then
+  // each pair's exchange tile of P (2 row tiles x kBlockM / 8 n-tiles x 32 lanes x 4 floats).
+  static constexpr int kWordOffset = (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
+  static constexpr int kExchangeFloats = 2 * (kBlockM / 8) * 32 * 4;  // per pair
+  static constexpr int kExchangeOffset = kWordOffset + (kBlockN + 2 * 3 * kBlockM) * 4;
+  static constexpr int kSmemBytes = kExchangeOffset + kPairs * kExchangeFloats * 4;
+  static_assert(kExchangeOffset % 16 == 0, "float4 exchange");
 };
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
@@ -225,11 +244,18 @@ __global__ void __launch_bounds__(Tr::kThreads)
   T* sqdo = sv + kN * kStride;  // [buffer][Q, dO]
   auto sq = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 0); };
   auto sdo = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 1); };
-  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kSegOffset);
-  int32_t* sq_seg = skv_seg + kN;  // [buffer][kM]
+  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kWordOffset);
+  // Per buffer: the step's query segment ids, lse and delta (kM words each).
+  auto sq_seg = [&](int buf) { return skv_seg + kN + buf * 3 * kM; };
+  auto slse = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + kM); };
+  auto sdelta = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + 2 * kM); };
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = lane & 3;
+  const int pair = warp >> 1;
+  const bool probs_warp = (warp & 1) == 0;  // P and dV; the other warp dP, dS and dK
+  float4* exchange = reinterpret_cast<float4*>(smem_raw + Tr::kExchangeOffset) +
+                     pair * (Tr::kExchangeFloats / 4) + lane;
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
   const int64_t tile = blockIdx.x / Tr::kSlices;
@@ -243,26 +269,37 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const int n0 = n_block * kN;
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
-  const int key0 = n0 + warp * 16;
+  const int pair_row0 = pair * Tr::kPairKeys;
+  const int key0 = n0 + pair_row0;
 
   const HeadOffsets off0 = MakeHeadOffsets(p, b, kh, 0);
   const T* q = static_cast<const T*>(p.q);
   const T* d_o = static_cast<const T*>(p.d_o);
 
-  float acc_dk[1][kAcc / 8][4], acc_dv[1][kAcc / 8][4];
-  Zero(acc_dk);
-  Zero(acc_dv);
+  float acc[2][kAcc / 8][4];  // dV (probs warp) or dK rows key0.. of this pair
+  Zero(acc);
 
-  const int key1 = min(key0 + 16, mask.kv_len) - 1;
+  const int key1 = min(key0 + Tr::kPairKeys, mask.kv_len) - 1;
   const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, key0, key1, kM);
   const int m_begin = walk.begin, m_count = walk.end - walk.begin;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
-  auto load_qdo = [&](int step, int buf) {
-    const int64_t head = off0.q + (step / m_count) * p.head_dim;  // query head r of the group
-    const int m0 = (m_begin + step % m_count) * kM;
+  // Steps walk (query head r of the group, query tile) pairs, tiles fastest; counters, not
+  // a division per step (integer division was ~5% of the kernel's stall samples).
+  struct StepCursor {
+    int r = 0, tile = 0;
+    __device__ void Next(int tiles) {
+      if (++tile == tiles) tile = 0, ++r;
+    }
+  };
+  auto load_qdo = [&](StepCursor c, int buf) {
+    const int64_t head = off0.q + c.r * p.head_dim;
+    const int64_t stats = off0.stats + c.r * p.q_len;
+    const int m0 = (m_begin + c.tile) * kM;
     LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, buf, q + head, d_o + head, off0.q_ld, m0,
                                               mask.q_len, H);
-    if (segments) LoadSegmentsAsync(sq_seg + buf * kM, mask.q_seg, m0, mask.q_len, kM);
+    if (segments) LoadSegmentsAsync(sq_seg(buf), mask.q_seg, m0, mask.q_len, kM);
+    LoadRowWordsAsync(slse(buf), p.lse + stats, m0, mask.q_len, kM);
+    LoadRowWordsAsync(sdelta(buf), p.delta + stats, m0, mask.q_len, kM);
   };
   if (steps > 0) {
     // sk, sv are buffer 0 of a pair
@@ -270,58 +307,96 @@ __global__ void __launch_bounds__(Tr::kThreads)
                                               static_cast<const T*>(p.v) + off0.kv, off0.kv_ld, n0,
                                               mask.kv_len, H);
     if (segments) LoadSegmentsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
-    load_qdo(0, 0);
+    load_qdo(StepCursor{}, 0);
     CpAsyncCommit();
   }
-  for (int step = 0; step < steps; ++step) {
+  StepCursor cur;
+  for (int step = 0; step < steps; ++step, cur.Next(m_count)) {
     const int buf = step & 1;
-    const int64_t r = step / m_count;
-    const int m0 = (m_begin + step % m_count) * kM;
+    const int m0 = (m_begin + cur.tile) * kM;
     CpAsyncWait<0>();
-    __syncthreads();  // Q/dO of this step in smem; every warp is done with the other buffer
+    // Q/dO of this step in smem; every warp is done with the other buffer, and the dS warps
+    // with the exchange tiles of the previous step.
+    __syncthreads();
     if (step + 1 < steps) {
-      load_qdo(step + 1, buf ^ 1);
+      StepCursor next = cur;
+      next.Next(m_count);
+      load_qdo(next, buf ^ 1);
       CpAsyncCommit();
     }
-    // Per-column (query) statistics: columns 8 j + 2 t + c of the step's query tile.
-    const int64_t stats = off0.stats + r * p.q_len;
+    // Both warps of a pair make the same skip decisions (same keys, same queries), so the
+    // exchange barrier below always has both.
     if (walk.WarpSkips(m0, kM)) continue;
-    // Queries past T need no mask: their lse = +inf below gives p = 0.
     const TileMasking tm = DecideMasking<kMaskable>(
-        mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + 15,
-        skv_seg + warp * 16, 16, sq_seg + buf * kM, kM, lane);
+        mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + Tr::kPairKeys - 1,
+        skv_seg + pair_row0, Tr::kPairKeys, sq_seg(buf), kM, lane);
     if (tm.skip) continue;
-    float s[1][kM / 8][4], dp[1][kM / 8][4];
-    Zero(s);
-    Zero(dp);
-    ScoresFromSmem<T, kHeadDim, kM, 1>(s, sk, warp * 16, sq(buf), H, lane);
-    ScoresFromSmem<T, kHeadDim, kM, 1>(dp, sv, warp * 16, sdo(buf), H, lane);
-    ToLogits<true, kM, kSoftcap>(s[0], ls, mask, tm.masked, key0, m0, tm.row_seg, tm.col_seg,
-                                 lane);
+    float x[2][kM / 8][4];
+    Zero(x);
+    // Per-column (query) statistics of columns 8 j + 2 t + c; queries past T get lse = +inf
+    // (p = 0; their Q and dO rows are zeros anyway).
+    auto column_ok = [&](int j, int c) { return m0 + 8 * j + 2 * t + c < mask.q_len; };
+    if (probs_warp) {
+      ScoresFromSmem<T, kHeadDim, kM, 2>(x, sk, pair_row0, sq(buf), H, lane);
 #pragma unroll
-    for (int j = 0; j < kM / 8; ++j) {
-      float lse2[2], delta[2];
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const int i = m0 + 8 * j + 2 * t + c;
-        // Queries past T: lse = +inf gives p = 0 (their Q and dO rows are zeros anyway).
-        lse2[c] = i < mask.q_len ? p.lse[stats + i] * kLog2e : INFINITY;
-        delta[c] = i < mask.q_len ? p.delta[stats + i] : 0.f;
+      for (int mi = 0; mi < 2; ++mi) {
+        ToLogits<true, kM, kSoftcap>(x[mi], ls, mask, tm.masked, key0 + 16 * mi, m0,
+                                     tm.row_seg ? tm.row_seg + 16 * mi : nullptr, tm.col_seg,
+                                     lane);
       }
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e & 1], delta[e & 1], ls);
+      for (int j = 0; j < kM / 8; ++j) {
+        float lse2[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) {
+          lse2[c] = column_ok(j, c) ? slse(buf)[8 * j + 2 * t + c] * kLog2e : INFINITY;
+        }
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          float w[4];
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const float pr = ProbOfLogit<kSoftcap>(x[mi][j][e], lse2[e & 1], ls);
+            w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr, ls);
+            x[mi][j][e] = pr;
+          }
+          exchange[(mi * (kM / 8) + j) * 32] = make_float4(w[0], w[1], w[2], w[3]);
+        }
       }
+      if (pair == 0) NamedBarrierArrive(1, 64);  // constant ids: ptxas reserves only those
+      else NamedBarrierArrive(2, 64);
+      AccumulateFromRegs<T, kM, kAcc, kHeadDim, 2>(acc, x, sdo(buf), col0, H, lane);
+    } else {
+      ScoresFromSmem<T, kHeadDim, kM, 2>(x, sv, pair_row0, sdo(buf), H, lane);
+      if (pair == 0) NamedBarrierSync(1, 64);  // the pair's P is in the exchange tile
+      else NamedBarrierSync(2, 64);
+#pragma unroll
+      for (int j = 0; j < kM / 8; ++j) {
+        float delta[2];
+#pragma unroll
+        for (int c = 0; c < 2; ++c) delta[c] = column_ok(j, c) ? sdelta(buf)[8 * j + 2 * t + c] : 0.f;
+#pragma unroll
+        for (int mi = 0; mi < 2; ++mi) {
+          const float4 w = exchange[(mi * (kM / 8) + j) * 32];
+          x[mi][j][0] = w.x * (x[mi][j][0] - delta[0]);
+          x[mi][j][1] = w.y * (x[mi][j][1] - delta[1]);
+          x[mi][j][2] = w.z * (x[mi][j][2] - delta[0]);
+          x[mi][j][3] = w.w * (x[mi][j][3] - delta[1]);
+        }
+      }
+      AccumulateFromRegs<T, kM, kAcc, kHeadDim, 2>(acc, x, sq(buf), col0, H, lane);
     }
-    AccumulateFromRegs<T, kM, kAcc, kHeadDim, 1>(acc_dv, s, sdo(buf), col0, H, lane);
-    AccumulateFromRegs<T, kM, kAcc, kHeadDim, 1>(acc_dk, dp, sq(buf), col0, H, lane);
   }
-  T* dk = static_cast<T*>(p.dk) + off0.kv + n0 * off0.kv_ld;
-  T* dv = static_cast<T*>(p.dv) + off0.kv + n0 * off0.kv_ld;
-  StoreAccumulator<T, kAcc>(dk, off0.kv_ld, acc_dk[0], ls.scale, warp * 16, mask.kv_len - n0, col0,
-                            H, lane);
-  StoreAccumulator<T, kAcc>(dv, off0.kv_ld, acc_dv[0], 1.f, warp * 16, mask.kv_len - n0, col0, H,
-                            lane);
+  // The probs warp stores dV, the other dK (times the softmax scale: dS was taken with
+  // respect to the scaled logits).
+  const int64_t out = off0.kv + n0 * off0.kv_ld;
+  T* dst = static_cast<T*>(probs_warp ? p.dv : p.dk) + out;
+  const float mul = probs_warp ? 1.f : ls.scale;
+#pragma unroll
+  for (int mi = 0; mi < 2; ++mi) {
+    StoreAccumulator<T, kAcc>(dst, off0.kv_ld, acc[mi], mul, pair_row0 + 16 * mi,
+                              mask.kv_len - n0, col0, H, lane);
+  }
 }
 
 template <typename T, typename Dq, typename Dkv, bool kMaskable, bool kSoftcap>

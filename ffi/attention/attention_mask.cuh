@@ -5,6 +5,7 @@
 #include <climits>
 #include <cstdint>
 
+#include "attention/attention_mma.cuh"
 #include "attention/attention_params.h"
 
 namespace jaxgpu::cuda::attention {
@@ -122,12 +123,7 @@ __device__ __forceinline__ SegmentRange WarpSegmentRange(const int32_t* ids, int
 // tile's range). One 4-byte cp.async per thread below n: it joins the caller's group.
 __device__ __forceinline__ void LoadSegmentsAsync(int32_t* dst, const int32_t* ids, int first,
                                                   int len, int n) {
-  const int i = threadIdx.x;
-  if (i < n) {
-    const int32_t* src = ids + min(first + i, len - 1);
-    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst + i));
-    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(src) : "memory");
-  }
+  LoadRowWordsAsync(dst, ids, first, len, n);
 }
 
 // The mask of batch row b, with window sides normalized (see Mask).

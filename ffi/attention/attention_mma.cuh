@@ -137,6 +137,31 @@ __device__ __forceinline__ void LoadTileAsync(T* tile, const T* gmem, int64_t ld
   }
 }
 
+// Copies src[first + i] for i in [0, n) (4-byte words: segment ids, per-query statistics)
+// into shared memory, one cp.async per thread below n; it joins the caller's group.
+// Positions at or past len repeat the last one: callers mask them by position.
+template <typename Word>
+__device__ __forceinline__ void LoadRowWordsAsync(Word* dst, const Word* src, int first, int len,
+                                                  int n) {
+  static_assert(sizeof(Word) == 4, "4-byte words");
+  const int i = threadIdx.x;
+  if (i < n) {
+    const Word* from = src + min(first + i, len - 1);
+    const unsigned addr = static_cast<unsigned>(__cvta_generic_to_shared(dst + i));
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(addr), "l"(from) : "memory");
+  }
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, a multiple of 32:
+// Sync waits until `threads` have arrived; Arrive counts this warp and goes on. Both order
+// the caller's earlier shared-memory writes before the waiters' later reads.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // exp2 on the MUFU (ex2.approx.ftz: 2 ulp), the rate-limited unit of the softmax.
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
