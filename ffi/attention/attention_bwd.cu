@@ -205,12 +205,13 @@ __global__ void __launch_bounds__(Tr::kThreads)
 template <int kHeadDim_>
 struct DkvTraits {
   // Warps work in pairs on 32 keys (2 row tiles of 16) per 32-query step: the first warp
-  // of a pair computes P^T = exp(K Q^T - lse) and dV += P^T dO, the second dP^T = V dO^T,
-  // takes P (times the softcap's slope) from the first through shared memory, and
-  // computes dK += dS^T Q. Each warp holds one 32 x kAccDim accumulator, so every Q / dO
-  // fragment it loads feeds both row tiles: half the ldmatrix traffic per MMA of one warp
-  // per 16 keys holding both dK and dV (which ran at 41% tensor-pipe use on the H100,
-  // shared-memory bound, beside 57% for the dQ kernel).
+  // of a pair computes P^T = exp(K Q^T - lse) and dV += P^T dO; the second, one step
+  // behind, dP^T = V dO^T, takes that step's P (times the softcap's slope) from the first
+  // through shared memory, and computes dK += dS^T Q. Each warp holds one 32 x kAccDim
+  // accumulator, so every Q / dO fragment it loads feeds both row tiles: 40% less ldmatrix
+  // traffic per MMA than one warp per 16 keys holding both dK and dV (41% tensor-pipe use
+  // on the H100, shared-memory bound). The lag lets both warps of a pair run a step with no
+  // wait for each other (a barrier per step between them stalled ~10% of the time).
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kPairs = 2;
   static constexpr int kWarps = 2 * kPairs;
@@ -222,13 +223,17 @@ struct DkvTraits {
   static constexpr int kAccDim = kHeadDim > 128 ? 128 : kHeadDim;
   static constexpr int kSlices = kHeadDim / kAccDim;
   static constexpr int kThreads = 32 * kWarps;
-  // K, V, two buffers each of Q and dO (a third measured no faster); then 4-byte words:
-  // the keys' segment ids, and per buffer the step's query segment ids, lse and delta; then
-  // each pair's exchange tile of P (2 row tiles x kBlockM / 8 n-tiles x 32 lanes x 4 floats).
-  static constexpr int kWordOffset = (2 * kBlockN + 4 * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
-  static constexpr int kExchangeFloats = 2 * (kBlockM / 8) * 32 * 4;  // per pair
-  static constexpr int kExchangeOffset = kWordOffset + (kBlockN + 2 * 3 * kBlockM) * 4;
-  static constexpr int kSmemBytes = kExchangeOffset + kPairs * kExchangeFloats * 4;
+  // Q/dO buffers: step s + 1 loads while the probs warps work on step s and the dS warps
+  // on step s - 1.
+  static constexpr int kBuffers = 3;
+  // K, V, kBuffers buffers each of Q and dO; then 4-byte words: the keys' segment ids, and
+  // per buffer the step's query segment ids, lse and delta; then two step parities of each
+  // pair's exchange tile of P (2 row tiles x kBlockM / 8 n-tiles x 32 lanes x 4 floats).
+  static constexpr int kWordOffset =
+      (2 * kBlockN + 2 * kBuffers * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
+  static constexpr int kExchangeFloats = 2 * (kBlockM / 8) * 32 * 4;  // per pair and parity
+  static constexpr int kExchangeOffset = kWordOffset + (kBlockN + kBuffers * 3 * kBlockM) * 4;
+  static constexpr int kSmemBytes = kExchangeOffset + 2 * kPairs * kExchangeFloats * 4;
   static_assert(kExchangeOffset % 16 == 0, "float4 exchange");
 };
 
@@ -254,8 +259,11 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const int t = lane & 3;
   const int pair = warp >> 1;
   const bool probs_warp = (warp & 1) == 0;  // P and dV; the other warp dP, dS and dK
-  float4* exchange = reinterpret_cast<float4*>(smem_raw + Tr::kExchangeOffset) +
-                     pair * (Tr::kExchangeFloats / 4) + lane;
+  // Exchange tile of step parity `par`, at this lane's float4.
+  auto exchange = [&](int par) {
+    return reinterpret_cast<float4*>(smem_raw + Tr::kExchangeOffset) +
+           (par * Tr::kPairs + pair) * (Tr::kExchangeFloats / 4) + lane;
+  };
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
   const int64_t tile = blockIdx.x / Tr::kSlices;
@@ -286,46 +294,53 @@ __global__ void __launch_bounds__(Tr::kThreads)
   // Steps walk (query head r of the group, query tile) pairs, tiles fastest; counters, not
   // a division per step (integer division was ~5% of the kernel's stall samples).
   struct StepCursor {
-    int r = 0, tile = 0;
+    int r = 0, tile = 0, buf = 0;
     __device__ void Next(int tiles) {
       if (++tile == tiles) tile = 0, ++r;
+      if (++buf == Tr::kBuffers) buf = 0;
     }
   };
-  auto load_qdo = [&](StepCursor c, int buf) {
+  auto load_qdo = [&](const StepCursor& c) {
     const int64_t head = off0.q + c.r * p.head_dim;
     const int64_t stats = off0.stats + c.r * p.q_len;
     const int m0 = (m_begin + c.tile) * kM;
-    LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, buf, q + head, d_o + head, off0.q_ld, m0,
+    LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, c.buf, q + head, d_o + head, off0.q_ld, m0,
                                               mask.q_len, H);
-    if (segments) LoadSegmentsAsync(sq_seg(buf), mask.q_seg, m0, mask.q_len, kM);
-    LoadRowWordsAsync(slse(buf), p.lse + stats, m0, mask.q_len, kM);
-    LoadRowWordsAsync(sdelta(buf), p.delta + stats, m0, mask.q_len, kM);
+    if (segments) LoadSegmentsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
+    LoadRowWordsAsync(slse(c.buf), p.lse + stats, m0, mask.q_len, kM);
+    LoadRowWordsAsync(sdelta(c.buf), p.delta + stats, m0, mask.q_len, kM);
   };
+  StepCursor next_load;
   if (steps > 0) {
     // sk, sv are buffer 0 of a pair
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, 0, static_cast<const T*>(p.k) + off0.kv,
                                               static_cast<const T*>(p.v) + off0.kv, off0.kv_ld, n0,
                                               mask.kv_len, H);
     if (segments) LoadSegmentsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
-    load_qdo(StepCursor{}, 0);
+    load_qdo(next_load);
+    next_load.Next(m_count);
     CpAsyncCommit();
   }
-  StepCursor cur;
-  for (int step = 0; step < steps; ++step, cur.Next(m_count)) {
-    const int buf = step & 1;
-    const int m0 = (m_begin + cur.tile) * kM;
+  // Interval i: the probs warps work on step i, the dS warps on step i - 1.
+  StepCursor mine;  // the step this warp works on next
+  const int lag = probs_warp ? 0 : 1;
+  for (int i = 0; i <= steps; ++i) {
     CpAsyncWait<0>();
-    // Q/dO of this step in smem; every warp is done with the other buffer, and the dS warps
-    // with the exchange tiles of the previous step.
+    // Step i's Q/dO in smem; the buffer of step i - 2 and the exchange tiles of step i - 2's
+    // parity are free (every warp is past both).
     __syncthreads();
-    if (step + 1 < steps) {
-      StepCursor next = cur;
-      next.Next(m_count);
-      load_qdo(next, buf ^ 1);
+    if (i + 1 < steps) {
+      load_qdo(next_load);
+      next_load.Next(m_count);
       CpAsyncCommit();
     }
-    // Both warps of a pair make the same skip decisions (same keys, same queries), so the
-    // exchange barrier below always has both.
+    const int step = i - lag;
+    if (step < 0 || step >= steps) continue;
+    const int m0 = (m_begin + mine.tile) * kM;
+    const int buf = mine.buf;
+    mine.Next(m_count);
+    // Both warps of a pair make the same skip decisions (same keys, same queries): a step
+    // the probs warp skips leaves no P for the dS warp, which skips it too.
     if (walk.WarpSkips(m0, kM)) continue;
     const TileMasking tm = DecideMasking<kMaskable>(
         mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + Tr::kPairKeys - 1,
@@ -333,6 +348,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     if (tm.skip) continue;
     float x[2][kM / 8][4];
     Zero(x);
+    float4* xchg = exchange(step & 1);
     // Per-column (query) statistics of columns 8 j + 2 t + c; queries past T get lse = +inf
     // (p = 0; their Q and dO rows are zeros anyway).
     auto column_ok = [&](int j, int c) { return m0 + 8 * j + 2 * t + c < mask.q_len; };
@@ -360,16 +376,12 @@ __global__ void __launch_bounds__(Tr::kThreads)
             w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr, ls);
             x[mi][j][e] = pr;
           }
-          exchange[(mi * (kM / 8) + j) * 32] = make_float4(w[0], w[1], w[2], w[3]);
+          xchg[(mi * (kM / 8) + j) * 32] = make_float4(w[0], w[1], w[2], w[3]);
         }
       }
-      if (pair == 0) NamedBarrierArrive(1, 64);  // constant ids: ptxas reserves only those
-      else NamedBarrierArrive(2, 64);
       AccumulateFromRegs<T, kM, kAcc, kHeadDim, 2>(acc, x, sdo(buf), col0, H, lane);
     } else {
       ScoresFromSmem<T, kHeadDim, kM, 2>(x, sv, pair_row0, sdo(buf), H, lane);
-      if (pair == 0) NamedBarrierSync(1, 64);  // the pair's P is in the exchange tile
-      else NamedBarrierSync(2, 64);
 #pragma unroll
       for (int j = 0; j < kM / 8; ++j) {
         float delta[2];
@@ -377,7 +389,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
         for (int c = 0; c < 2; ++c) delta[c] = column_ok(j, c) ? sdelta(buf)[8 * j + 2 * t + c] : 0.f;
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
-          const float4 w = exchange[(mi * (kM / 8) + j) * 32];
+          const float4 w = xchg[(mi * (kM / 8) + j) * 32];
           x[mi][j][0] = w.x * (x[mi][j][0] - delta[0]);
           x[mi][j][1] = w.y * (x[mi][j][1] - delta[1]);
           x[mi][j][2] = w.z * (x[mi][j][2] - delta[0]);
