@@ -213,6 +213,8 @@ struct DkvTraits {
   // on the H100, shared-memory bound). The lag lets both warps of a pair run a step with no
   // wait for each other (a barrier per step between them stalled ~10% of the time).
   static constexpr int kHeadDim = kHeadDim_;
+  // 4 pairs (128 keys, 8 warps) measured 232 vs 240 TFLOP/s bwd at H = 128, 178 vs 208 at
+  // H = 64 (H100, T = 4096).
   static constexpr int kPairs = 2;
   static constexpr int kWarps = 2 * kPairs;
   static constexpr int kPairKeys = 32;
