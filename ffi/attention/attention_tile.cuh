@@ -138,24 +138,34 @@ __device__ __forceinline__ void ScoresFromSmem(float (&acc)[kMT][kN / 8][4], con
   }
 }
 
-// acc += P B over the kK rows of a smem tile B, for output columns [col0, col0 + kAcc):
-// P (kMT x 16 x kK per warp) is in registers as C tiles, converted to 16-bit A fragments
-// on the fly; B is (kK, kTileDim) with n contiguous (V, dO, Q or K). Columns past `dim` are
-// zeros, skipped as in ScoresFromSmem. Each B fragment feeds all kMT row tiles.
-template <typename T, int kK, int kAcc, int kTileDim, int kMT>
-__device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4],
-                                                   const float (&p)[kMT][kK / 8][4],
-                                                   const T* b_tile, int col0, int dim, int lane) {
+// P (kMT x 16 x kK per warp, C tiles in registers) as 16-bit A fragments: k-step kk, row
+// tile mi. Converting right after the softmax halves the registers P holds during P V
+// (the forward's 255-register loop spilled otherwise).
+template <typename T, int kK, int kMT>
+__device__ __forceinline__ void PackProbs(uint32_t (&a)[kK / 16][kMT][4],
+                                          const float (&p)[kMT][kK / 8][4]) {
 #pragma unroll
   for (int kk = 0; kk < kK / 16; ++kk) {
-    uint32_t a[kMT][4];
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
-      a[mi][0] = MmaType<T>::Pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
-      a[mi][1] = MmaType<T>::Pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
-      a[mi][2] = MmaType<T>::Pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
-      a[mi][3] = MmaType<T>::Pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
+      a[kk][mi][0] = MmaType<T>::Pack(p[mi][2 * kk][0], p[mi][2 * kk][1]);
+      a[kk][mi][1] = MmaType<T>::Pack(p[mi][2 * kk][2], p[mi][2 * kk][3]);
+      a[kk][mi][2] = MmaType<T>::Pack(p[mi][2 * kk + 1][0], p[mi][2 * kk + 1][1]);
+      a[kk][mi][3] = MmaType<T>::Pack(p[mi][2 * kk + 1][2], p[mi][2 * kk + 1][3]);
     }
+  }
+}
+
+// acc += P B over the kK rows of a smem tile B, for output columns [col0, col0 + kAcc):
+// P is packed A fragments (PackProbs); B is (kK, kTileDim) with n contiguous (V, dO, Q or
+// K). Columns past `dim` are zeros, skipped as in ScoresFromSmem. Each B fragment feeds all
+// kMT row tiles.
+template <typename T, int kK, int kAcc, int kTileDim, int kMT>
+__device__ __forceinline__ void AccumulatePacked(float (&acc)[kMT][kAcc / 8][4],
+                                                 const uint32_t (&a)[kK / 16][kMT][4],
+                                                 const T* b_tile, int col0, int dim, int lane) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
 #pragma unroll
     for (int nn = 0; nn < kAcc / 16; ++nn) {
       if (FeatureStepLive<kTileDim>(nn, dim - col0)) {
@@ -163,12 +173,22 @@ __device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4
         LoadBKn<kTileDim>(b, b_tile, kk * 16, col0 + nn * 16, lane);
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi) {
-          MmaType<T>::Mma(acc[mi][2 * nn], a[mi], b[0], b[1]);
-          MmaType<T>::Mma(acc[mi][2 * nn + 1], a[mi], b[2], b[3]);
+          MmaType<T>::Mma(acc[mi][2 * nn], a[kk][mi], b[0], b[1]);
+          MmaType<T>::Mma(acc[mi][2 * nn + 1], a[kk][mi], b[2], b[3]);
         }
       }
     }
   }
+}
+
+// The same with P as float C tiles, packed here.
+template <typename T, int kK, int kAcc, int kTileDim, int kMT>
+__device__ __forceinline__ void AccumulateFromRegs(float (&acc)[kMT][kAcc / 8][4],
+                                                   const float (&p)[kMT][kK / 8][4],
+                                                   const T* b_tile, int col0, int dim, int lane) {
+  uint32_t a[kK / 16][kMT][4];
+  PackProbs<T, kK, kMT>(a, p);
+  AccumulatePacked<T, kK, kAcc, kTileDim, kMT>(acc, a, b_tile, col0, dim, lane);
 }
 
 // Stores a warp's 16 x kAcc accumulator (times `mul`) as 16-bit rows [row0, row0 + 16) of a
