@@ -7,7 +7,8 @@
 //                    dQ += dS K. (3 products)
 //   3. DkvKernel     per (key tile, kv head): walks every query head of its GQA group and
 //                    the visible query tiles, recomputes P^T and dP^T with keys as rows,
-//                    dV += P^T dO, dK += dS^T Q. (4 products)
+//                    dV += P^T dO, dK += dS^T Q (4 products), in warp pairs: one warp
+//                    of a pair computes P and dV, the other dS and dK.
 // Splitting dQ from dK/dV costs two extra products (7 instead of FlashAttention-2's 5) and
 // buys determinism without a float32 dQ accumulator in memory or atomics; the GQA sum over
 // a kv head's query heads happens in registers.
@@ -208,10 +209,11 @@ struct DkvTraits {
   // of a pair computes P^T = exp(K Q^T - lse) and dV += P^T dO; the second, one step
   // behind, dP^T = V dO^T, takes that step's P (times the softcap's slope) from the first
   // through shared memory, and computes dK += dS^T Q. Each warp holds one 32 x kAccDim
-  // accumulator, so every Q / dO fragment it loads feeds both row tiles: 40% less ldmatrix
-  // traffic per MMA than one warp per 16 keys holding both dK and dV (41% tensor-pipe use
-  // on the H100, shared-memory bound). The lag lets both warps of a pair run a step with no
-  // wait for each other (a barrier per step between them stalled ~10% of the time).
+  // accumulator, so every Q / dO fragment it loads feeds both row tiles: 40% fewer
+  // ldmatrix bytes per MMA than one warp per 16 keys holding both dK and dV (which ran at
+  // 41% tensor-pipe use on the H100, shared-memory bound). The lag lets both warps of a pair
+  // run a step with no wait for each other: a barrier per step between them stalled ~12%
+  // of the time. Measurements: benchmarks/TUNING.md (stop 9).
   static constexpr int kHeadDim = kHeadDim_;
   // 4 pairs (128 keys, 8 warps) measured 232 vs 240 TFLOP/s bwd at H = 128, 178 vs 208 at
   // H = 64 (H100, T = 4096).

@@ -152,16 +152,6 @@ __device__ __forceinline__ void LoadRowWordsAsync(Word* dst, const Word* src, in
   }
 }
 
-// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads, a multiple of 32:
-// Sync waits until `threads` have arrived; Arrive counts this warp and goes on. Both order
-// the caller's earlier shared-memory writes before the waiters' later reads.
-__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // exp2 on the MUFU (ex2.approx.ftz: 2 ulp), the rate-limited unit of the softmax.
 __device__ __forceinline__ float FastExp2(float x) {
   float y;
