@@ -954,7 +954,8 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
                            jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.float32))), "o: unexpected"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), softcap=np.float32(-1.0)), "softcap"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), scale=np.float32(np.nan)), "scale"),
-    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), scale=np.float32(-0.5)), "scale: must be finite and > 0"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), scale=np.float32(-0.5)),
+     "scale: must be finite and > 0"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), window_left=np.int64(-2)), "window_left"),
     (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), segs=(jnp.zeros((1, 4), jnp.float32),
                                                    jnp.zeros((1, 6), jnp.float32)),
@@ -977,8 +978,8 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
     (lambda: _raw_fwd(jnp.ones((1, 4, 2, 2, 300)), jnp.ones((1, 6, 2, 300)),
                       jnp.ones((1, 6, 2, 300))), "head dim"),
 ], ids=["q-rank", "k-shape", "v-shape", "v-dtype", "lse-shape", "o-dtype", "softcap", "scale",
-        "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count", "bwd-lse", "do-dtype",
-        "head-dim"])
+        "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count",
+        "bwd-lse", "do-dtype", "head-dim"])
 def test_handler_rejects_bad_buffers(build, match):
   _needs_cpu()
   with jax.default_device(jax.devices("cpu")[0]):

@@ -56,7 +56,6 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
 // element's query statistics. p = exp2(x fold - lse2) (0 where masked, also on rows with
 // nothing visible, whose lse is -inf); ds = GradWeight * (dp - delta), where GradWeight is
 // p times the softcap's derivative 1 - (c / cap)^2 (p without a softcap).
-template <bool kSoftcap>
 __device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
   return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
 }
@@ -72,7 +71,7 @@ __device__ __forceinline__ float GradWeight(float x, float pr, const LogitScale&
 template <bool kSoftcap>
 __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
                                               const LogitScale& ls) {
-  const float pr = ProbOfLogit<kSoftcap>(x, lse2, ls);
+  const float pr = ProbOfLogit(x, lse2, ls);
   dp = GradWeight<kSoftcap>(x, pr, ls) * (dp - delta);
   x = pr;
 }
@@ -146,7 +145,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const int n_begin = walk.begin, n_end = walk.end;
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
-    if (segments) LoadSegmentsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
+    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, static_cast<const T*>(p.q) + off.q +
@@ -155,7 +154,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + off.q +
                                                        m0 * off.q_ld,
                                               off.q_ld, mask.q_len - m0, H);
-    if (segments) LoadSegmentsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
@@ -310,7 +309,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     const int m0 = (m_begin + c.tile) * kM;
     LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, c.buf, q + head, d_o + head, off0.q_ld, m0,
                                               mask.q_len, H);
-    if (segments) LoadSegmentsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
+    if (segments) LoadRowWordsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
     LoadRowWordsAsync(slse(c.buf), p.lse + stats, m0, mask.q_len, kM);
     LoadRowWordsAsync(sdelta(c.buf), p.delta + stats, m0, mask.q_len, kM);
   };
@@ -320,7 +319,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, 0, static_cast<const T*>(p.k) + off0.kv,
                                               static_cast<const T*>(p.v) + off0.kv, off0.kv_ld, n0,
                                               mask.kv_len, H);
-    if (segments) LoadSegmentsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
+    if (segments) LoadRowWordsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
     load_qdo(next_load);
     next_load.Next(m_count);
     CpAsyncCommit();
@@ -376,7 +375,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
           float w[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pr = ProbOfLogit<kSoftcap>(x[mi][j][e], lse2[e & 1], ls);
+            const float pr = ProbOfLogit(x[mi][j][e], lse2[e & 1], ls);
             w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr, ls);
             x[mi][j][e] = pr;
           }
@@ -390,14 +389,15 @@ __global__ void __launch_bounds__(Tr::kThreads)
       for (int j = 0; j < kM / 8; ++j) {
         float delta[2];
 #pragma unroll
-        for (int c = 0; c < 2; ++c) delta[c] = column_ok(j, c) ? sdelta(buf)[8 * j + 2 * t + c] : 0.f;
+        for (int c = 0; c < 2; ++c) {
+          delta[c] = column_ok(j, c) ? sdelta(buf)[8 * j + 2 * t + c] : 0.f;
+        }
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
-          const float4 w = xchg[(mi * (kM / 8) + j) * 32];
-          x[mi][j][0] = w.x * (x[mi][j][0] - delta[0]);
-          x[mi][j][1] = w.y * (x[mi][j][1] - delta[1]);
-          x[mi][j][2] = w.z * (x[mi][j][2] - delta[0]);
-          x[mi][j][3] = w.w * (x[mi][j][3] - delta[1]);
+          const float4 w4 = xchg[(mi * (kM / 8) + j) * 32];
+          const float w[4] = {w4.x, w4.y, w4.z, w4.w};
+#pragma unroll
+          for (int e = 0; e < 4; ++e) x[mi][j][e] = w[e] * (x[mi][j][e] - delta[e & 1]);
         }
       }
       AccumulateFromRegs<T, kM, kAcc, kHeadDim, 2>(acc, x, sq(buf), col0, H, lane);

@@ -81,11 +81,11 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
-    if (segments) LoadSegmentsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
+    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
-    if (segments) LoadSegmentsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
@@ -124,7 +124,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
       for (int h = 0; h < 2; ++h) {
         float mx = row_max[mi][h];
 #pragma unroll
-        for (int j = 0; j < kN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s[mi][j][2 * h], acc_s[mi][j][2 * h + 1]));
+        for (int j = 0; j < kN / 8; ++j) {
+          mx = fmaxf(mx, fmaxf(acc_s[mi][j][2 * h], acc_s[mi][j][2 * h + 1]));
+        }
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
         mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
         // Nothing visible yet: keep the sums at 0 (exp2(-inf - 0) = 0, never NaN).

@@ -5,7 +5,6 @@
 #include <climits>
 #include <cstdint>
 
-#include "attention/attention_mma.cuh"
 #include "attention/attention_params.h"
 
 namespace jaxgpu::cuda::attention {
@@ -116,14 +115,6 @@ __device__ __forceinline__ SegmentRange WarpSegmentRange(const int32_t* ids, int
     hi = max(hi, ids[i]);
   }
   return {__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi)};
-}
-
-// Copies the segment ids of positions [first, first + n) into shared memory. Positions at
-// or past len repeat the last id (they are masked by position, and must not widen the
-// tile's range). One 4-byte cp.async per thread below n: it joins the caller's group.
-__device__ __forceinline__ void LoadSegmentsAsync(int32_t* dst, const int32_t* ids, int first,
-                                                  int len, int n) {
-  LoadRowWordsAsync(dst, ids, first, len, n);
 }
 
 // The mask of batch row b, with window sides normalized (see Mask).

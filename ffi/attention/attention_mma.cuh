@@ -139,7 +139,8 @@ __device__ __forceinline__ void LoadTileAsync(T* tile, const T* gmem, int64_t ld
 
 // Copies src[first + i] for i in [0, n) (4-byte words: segment ids, per-query statistics)
 // into shared memory, one cp.async per thread below n; it joins the caller's group.
-// Positions at or past len repeat the last one: callers mask them by position.
+// Positions at or past len repeat the last one: callers mask them by position, and a
+// repeated segment id cannot widen a tile's segment range.
 template <typename Word>
 __device__ __forceinline__ void LoadRowWordsAsync(Word* dst, const Word* src, int first, int len,
                                                   int n) {

@@ -248,8 +248,8 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
 }
 
 // Scores to log2-domain logits (up to the factor LogitScale::fold), in place: x * scale
-// (softcapped if cap > 0) * log2(e), and -inf where masked. Element e of n-tile j of a warp's 16 x kN tile is at row
-// row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
+// (softcapped if cap > 0) * log2(e), and -inf where masked. Element e of n-tile j of a
+// warp's 16 x kN tile is at row row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
 // dK/dV kernel (kTransposed: rows are keys, columns queries).
 //
 // Without a softcap, ToLogits leaves the scores unscaled and the softmax folds
@@ -289,7 +289,9 @@ __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitSca
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) acc[j][e] = Softcap(acc[j][e] * ls.scale, ls.cap, ls.inv_cap) * kLog2e;
+      for (int e = 0; e < 4; ++e) {
+        acc[j][e] = Softcap(acc[j][e] * ls.scale, ls.cap, ls.inv_cap) * kLog2e;
+      }
     }
   }
   if (!masked) return;
