@@ -51,11 +51,11 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
   }
 }
 
-// Probabilities and score gradients of a score tile. x holds log2-domain logits over
-// LogitScale::fold (-inf where masked), dp the products dO V^T; lse2 / delta are the
-// element's query statistics. p = exp2(x fold - lse2) (0 where masked, also on rows with
-// nothing visible, whose lse is -inf); ds = GradWeight * (dp - delta), where GradWeight is
-// p times the softcap's derivative 1 - (c / cap)^2 (p without a softcap).
+// Probabilities and score gradients of a score tile. x holds ToLogits's output (-inf where
+// masked), dp the products dO V^T; lse2 / delta are the element's query statistics.
+// p = exp2(x fold - lse2) (0 where masked, also on rows with nothing visible, whose lse is
+// -inf); ds = GradWeight * (dp - delta), where GradWeight is p times the softcap's
+// derivative 1 - tanh^2 (p without a softcap); the kernels apply the scale at the end.
 __device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
   return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
 }
@@ -63,8 +63,7 @@ __device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitSca
 template <bool kSoftcap>
 __device__ __forceinline__ float GradWeight(float x, float pr, const LogitScale& ls) {
   if (!kSoftcap) return pr;
-  const float c = x * (kLn2 * ls.inv_cap);  // capped logit / cap = tanh(.)
-  return x == -INFINITY ? 0.f : pr * (1.f - c * c);
+  return x == -INFINITY ? 0.f : pr * (1.f - x * x);  // x = tanh(score * scale / cap)
 }
 
 // In place: x becomes p, dp becomes ds.

@@ -247,20 +247,19 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
   return tm;
 }
 
-// Scores to log2-domain logits (up to the factor LogitScale::fold), in place: x * scale
-// (softcapped if cap > 0) * log2(e), and -inf where masked. Element e of n-tile j of a
-// warp's 16 x kN tile is at row row0 + g + 8 * (e / 2), column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the
-// dK/dV kernel (kTransposed: rows are keys, columns queries).
-//
-// Without a softcap, ToLogits leaves the scores unscaled and the softmax folds
-// scale * log2(e) into its exp2 argument, one FFMA per logit instead of a multiply and a
-// subtract (`fold`): masking and the max commute with the scale, which the handler
-// requires to be > 0. With a softcap the logits are scaled in ToLogits and fold = 1.
+// Scores to logits up to a positive factor, in place, and -inf where masked: the softmax
+// multiplies ToLogits's output by LogitScale::fold inside its exp2 argument (one FFMA per
+// logit, exp2(x * fold - max * fold)); masking and the max commute with a positive factor
+// (the handler requires scale > 0). Without a softcap the output is the raw score and
+// fold = scale * log2(e); with a softcap it is tanh(score * scale / cap) and
+// fold = cap * log2(e), the backward's softcap slope 1 - tanh^2 then reads off the output
+// directly. Element e of n-tile j of a warp's 16 x kN tile is at row row0 + g + 8 * (e / 2),
+// column col0 + 8 j + 2 t + (e % 2). Query/key swap roles in the dK/dV kernel
+// (kTransposed: rows are keys, columns queries).
 struct LogitScale {
   float scale;
-  float cap;         // 0: no softcap
-  float inv_cap;
-  float fold;        // multiplier of ToLogits's output in the exp2 argument
+  float tanh_in;  // softcap: scale / cap; 0 without one
+  float fold;     // multiplier of ToLogits's output in the exp2 argument
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
@@ -269,14 +268,13 @@ constexpr float kLn2 = 0.6931471805599453f;
 inline LogitScale MakeLogitScale(float scale, float cap) {
   LogitScale s;
   s.scale = scale;
-  s.cap = cap;
-  s.inv_cap = cap > 0.f ? 1.0f / cap : 0.f;
-  s.fold = cap > 0.f ? 1.0f : scale * kLog2e;
+  s.tanh_in = cap > 0.f ? scale / cap : 0.f;
+  s.fold = (cap > 0.f ? cap : scale) * kLog2e;
   return s;
 }
 
 // row_seg / col_seg: the segment ids of rows row0.. and columns col0.. staged in shared
-// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs a
+// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs half a
 // MUFU op per logit, which the plain kernels must not carry. The mask is one branch per
 // tile around its own loop: a per-element `if (masked)` compiled to a branch per logit
 // that broke up the softmax's schedule (the maskable forward ran at 2/3 the plain one).
@@ -289,8 +287,11 @@ __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitSca
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        acc[j][e] = Softcap(acc[j][e] * ls.scale, ls.cap, ls.inv_cap) * kLog2e;
+      for (int e = 0; e < 4; e += 2) {
+        float a = acc[j][e] * ls.tanh_in, b = acc[j][e + 1] * ls.tanh_in;
+        TanhPair(a, b);
+        acc[j][e] = a;
+        acc[j][e + 1] = b;
       }
     }
   }
