@@ -163,10 +163,10 @@ __device__ __forceinline__ float FastExp2(float x) {
 // tanh of two values with one MUFU op: tanh.approx.f16x2 (sm_75+). The softmax's ex2 per
 // logit already runs on the MUFU (16 ops/clk/SM); a softcap's tanh.approx.f32 per logit
 // doubled that unit's load, the packed form adds half (H100, H = 128, T = 4096, softcap +
-// segment ids: backward 190 -> 200 TFLOP/s, forward unchanged at ~275). Precision: the inputs round to
-// fp16 (2^-12 relative) and the result is fp16 (2^-12 relative, plus the approximation's
-// ~2^-11): about 2^-10 relative on the capped logit, below a bf16 logit's own rounding
-// (2^-9) and close to tanh.approx.f32's 2^-10.99.
+// segment ids: backward 190 -> 200 TFLOP/s, forward unchanged at ~275). Precision: the
+// inputs round to fp16 (2^-12 relative) and the result is fp16 (2^-12 relative, plus the
+// approximation's ~2^-11): about 2^-10 relative on the capped logit, below a bf16 logit's
+// own rounding (2^-9) and close to tanh.approx.f32's 2^-10.99.
 __device__ __forceinline__ void TanhPair(float& a, float& b) {
   const __half2 in = __floats2half2_rn(a, b);
   uint32_t out;
