@@ -61,7 +61,7 @@ __device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitSca
 }
 
 template <bool kSoftcap>
-__device__ __forceinline__ float GradWeight(float x, float pr, const LogitScale& ls) {
+__device__ __forceinline__ float GradWeight(float x, float pr) {
   if (!kSoftcap) return pr;
   return x == -INFINITY ? 0.f : pr * (1.f - x * x);  // x = tanh(score * scale / cap)
 }
@@ -71,7 +71,7 @@ template <bool kSoftcap>
 __device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
                                               const LogitScale& ls) {
   const float pr = ProbOfLogit(x, lse2, ls);
-  dp = GradWeight<kSoftcap>(x, pr, ls) * (dp - delta);
+  dp = GradWeight<kSoftcap>(x, pr) * (dp - delta);
   x = pr;
 }
 
@@ -375,7 +375,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
             const float pr = ProbOfLogit(x[mi][j][e], lse2[e & 1], ls);
-            w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr, ls);
+            w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr);
             x[mi][j][e] = pr;
           }
           xchg[(mi * (kM / 8) + j) * 32] = make_float4(w[0], w[1], w[2], w[3]);

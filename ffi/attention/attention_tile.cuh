@@ -274,8 +274,8 @@ inline LogitScale MakeLogitScale(float scale, float cap) {
 }
 
 // row_seg / col_seg: the segment ids of rows row0.. and columns col0.. staged in shared
-// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs half a
-// MUFU op per logit, which the plain kernels must not carry. The mask is one branch per
+// memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs
+// half a MUFU op per logit, which the plain kernels must not carry. The mask is one branch per
 // tile around its own loop: a per-element `if (masked)` compiled to a branch per logit
 // that broke up the softmax's schedule (the maskable forward ran at 2/3 the plain one).
 template <bool kTransposed, int kN, bool kSoftcap>
