@@ -179,8 +179,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
       ToLogits<false, kN, kSoftcap>(s[mi], ls, mask, tm.masked, row0 + mi * 16, n0,
-                                    tm.row_seg ? tm.row_seg + mi * 16 : nullptr, tm.col_seg,
-                                    lane);
+                                    tm.RowSeg(16 * mi), tm.col_seg, lane);
 #pragma unroll
       for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
@@ -359,8 +358,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
         ToLogits<true, kM, kSoftcap>(x[mi], ls, mask, tm.masked, key0 + 16 * mi, m0,
-                                     tm.row_seg ? tm.row_seg + 16 * mi : nullptr, tm.col_seg,
-                                     lane);
+                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
       }
 #pragma unroll
       for (int j = 0; j < kM / 8; ++j) {

@@ -118,8 +118,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     for (int mi = 0; mi < kMT; ++mi) {
       const int row0 = warp_row0 + mi * 16;
       ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, row0, n0,
-                                    tm.row_seg ? tm.row_seg + mi * 16 : nullptr, tm.col_seg,
-                                    lane);
+                                    tm.RowSeg(16 * mi), tm.col_seg, lane);
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float mx = row_max[mi][h];

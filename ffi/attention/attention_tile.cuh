@@ -224,6 +224,11 @@ struct TileMasking {
   bool masked;             // some element may be: ToLogits masks per element
   const int32_t* row_seg;  // segment ids ToLogits compares, or nullptr (segments all equal)
   const int32_t* col_seg;
+
+  // The row ids of the row tile starting `offset` rows into the warp's rows (or nullptr).
+  __device__ __forceinline__ const int32_t* RowSeg(int offset) const {
+    return row_seg ? row_seg + offset : nullptr;
+  }
 };
 
 template <bool kMaskable>
