@@ -25,8 +25,9 @@ export PYTHONUNBUFFERED=1
 # one: with this, `python3 -m ...` and scripts do not put the cwd/script dir first on sys.path.
 export PYTHONSAFEPATH=1
 export PATH=/usr/local/cuda/bin:$PATH
-# Only the H100/H200's sm_90: a two-architecture build takes about twice as long.
-export JAXGPU_CUDA_ARCHS=${JAXGPU_CUDA_ARCHS:-90}
+# Only the H100/H200 (sm_90a: the wgmma kernels too); a two-architecture build takes about
+# twice as long.
+export JAXGPU_CUDA_ARCHS=${JAXGPU_CUDA_ARCHS:-90a}
 export JAXGPU_CUDA=${JAXGPU_CUDA:-ON}  # fail the build rather than silently skip CUDA
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 

@@ -1,4 +1,5 @@
-// CUDA launchers of the attention family (kernels in attention_kernels.cu; no XLA types).
+// CUDA launchers of the attention family (kernels in attention_fwd.cu, attention_fwd_sm90.cu and
+// attention_bwd.cu; no XLA types).
 #pragma once
 
 #include <cuda_runtime_api.h>
@@ -10,5 +11,12 @@ namespace jaxgpu::cuda {
 // bfloat16 / float16, head_dim a multiple of 8 and <= 256.
 cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream);
 cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream);
+
+// The Hopper forward (attention_fwd_sm90.cu): whether it runs these parameters (an sm_90
+// device, a build with sm_90a code, head dim padded to 64 or 128, and
+// JAXGPU_ATTENTION_MMA_SYNC unset), and its launcher (cudaErrorNotSupported otherwise).
+// LaunchAttentionFwd picks it by itself.
+bool AttentionFwdSm90Applies(const AttentionParams& p);
+cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream);
 
 }  // namespace jaxgpu::cuda

@@ -11,6 +11,7 @@
 
 #include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_softmax.cuh"
 #include "attention/attention_tile.cuh"
 
 namespace jaxgpu::cuda {
@@ -49,7 +50,6 @@ __global__ void __launch_bounds__(Tr::kThreads)
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int g = lane >> 2, t = lane & 3;
   const QueryTile tile = DecodeQueryTile(p, kM);
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
@@ -110,83 +110,24 @@ __global__ void __launch_bounds__(Tr::kThreads)
     Zero(acc_s);
     ScoresFromSmem<T, kHeadDim, kN, kMT>(acc_s, sq, warp * kMT * 16, sk_nb, H, lane);
 
-    // Online softmax in the log2 domain, rows g and g + 8 of each row tile reduced over the
-    // quad. The scores stay unscaled (LogitScale::fold): exp2(x * fold - max * fold) is one
-    // FFMA and one ex2 per logit.
     float correction[kMT][2];
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
-      const int row0 = warp_row0 + mi * 16;
-      ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, row0, n0,
+      ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, warp_row0 + mi * 16, n0,
                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        float mx = row_max[mi][h];
-#pragma unroll
-        for (int j = 0; j < kN / 8; ++j) {
-          mx = fmaxf(mx, fmaxf(acc_s[mi][j][2 * h], acc_s[mi][j][2 * h + 1]));
-        }
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
-        mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-        // Nothing visible yet: keep the sums at 0 (exp2(-inf - 0) = 0, never NaN).
-        const float base = mx == -INFINITY ? 0.f : mx * ls.fold;
-        correction[mi][h] = FastExp2(row_max[mi][h] * ls.fold - base);
-        row_max[mi][h] = mx;
-        float sum = 0.f;
-#pragma unroll
-        for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-          for (int c = 0; c < 2; ++c) {
-            const float pe = FastExp2(fmaf(acc_s[mi][j][2 * h + c], ls.fold, -base));
-            acc_s[mi][j][2 * h + c] = pe;
-            sum += pe;
-          }
-        }
-        row_sum[mi][h] = row_sum[mi][h] * correction[mi][h] + sum;
-      }
+      OnlineSoftmax<kN>(acc_s[mi], row_max[mi], row_sum[mi], correction[mi], ls.fold);
     }
     uint32_t p_frags[kN / 16][kMT][4];
     PackProbs<T, kN, kMT>(p_frags, acc_s);
     // Rescaled unconditionally: skipping it when no row of the warp moved its max (a warp
     // vote and a branch) measured 343 vs 339 TFLOP/s non-causal but 271 vs 288 causal at
     // H = 128, T = 4096 on the H100.
-#pragma unroll
-    for (int mi = 0; mi < kMT; ++mi) {
-#pragma unroll
-      for (int j = 0; j < kHeadDim / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc_o[mi][j][e] *= correction[mi][e >> 1];
-      }
-    }
+    RescaleRows<kMT, kHeadDim>(acc_o, correction);
     AccumulatePacked<T, kN, kHeadDim, kHeadDim, kMT>(acc_o, p_frags, sv_nb, 0, H, lane);
   }
 
-  // Epilogue: normalize and store o (rows past T and columns past H are not stored) and
-  // the natural-log LSE; a row that saw nothing gets o = 0 and lse = -inf.
-#pragma unroll
-  for (int mi = 0; mi < kMT; ++mi) {
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      float sum = row_sum[mi][h];
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float inv = sum > 0.f ? 1.0f / sum : 0.f;
-      const int row = (warp * kMT + mi) * 16 + g + 8 * h;
-      if (m0 + row < mask.q_len) {
-#pragma unroll
-        for (int j = 0; j < kHeadDim / 8; ++j) {
-          const int col = 8 * j + 2 * t;
-          if (col < H) {
-            *reinterpret_cast<uint32_t*>(o + row * off.q_ld + col) =
-                MmaType<T>::Pack(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
-          }
-        }
-        if (t == 0) {
-          lse[row] = sum > 0.f ? (row_max[mi][h] * ls.fold + __log2f(sum)) * kLn2 : -INFINITY;
-        }
-      }
-    }
-  }
+  StoreOutputRows<T, kMT, kHeadDim>(o, lse, off.q_ld, acc_o, row_max, row_sum, ls.fold,
+                                     warp * kMT * 16, m0, mask.q_len, H, lane);
 }
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
@@ -206,6 +147,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
 cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+  if (AttentionFwdSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
   if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {

@@ -1,0 +1,218 @@
+// Attention forward on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop beside
+// attention_fwd.cu's mma.sync one, same parameters, same masking and softmax code, chosen
+// at launch on an sm_90 device for head dims 64 and 128.
+//
+// One CTA owns kBlockM = 128 queries of one query head: two warpgroups of 64 rows. Per key
+// tile of kBlockN keys a warpgroup computes S = Q K^T with Q and K read by the tensor cores
+// straight from shared memory (no ldmatrix), runs the online softmax on its registers
+// (attention_softmax.cuh), and accumulates O += P V with P from registers and V from
+// shared memory. K/V tiles are double-buffered with cp.async (tile j+1's copy overlaps tile
+// j's math), one CTA barrier per tile. The two warpgroups interleave on the tensor cores:
+// one's softmax runs while the other's products do.
+#include <cuda_runtime.h>
+
+#include <cstdlib>
+
+#include "attention/attention_cuda.h"
+#include "attention/attention_launch.cuh"
+#include "attention/attention_softmax.cuh"
+#include "attention/attention_tile.cuh"
+#include "attention/attention_wgmma.cuh"
+
+namespace jaxgpu::cuda {
+namespace attention {
+namespace {
+
+template <int kHeadDim_>
+struct Sm90FwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128 (a multiple of the 64-column block)
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kBlockN = 128;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
+  // Q, then 2 x (K, V), then the segment ids of the query tile and of 2 key tiles; the
+  // dynamic allocation is rounded up to the 1024-byte swizzle period by hand.
+  static constexpr int kKVOffset = QTile::kBytes;
+  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
+};
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    AttentionFwdSm90Kernel(AttentionParams p, LogitScale ls) {
+#if JAXGPU_WGMMA_DEVICE
+  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
+  using KVTile = typename Tr::KVTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
+  unsigned char* sq = smem;
+  unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
+  int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
+  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int group = warp >> 2;  // warpgroup: rows 64 * group.. of the CTA's tile
+  const int local_row0 = 64 * group + 16 * (warp & 3);  // the warp's first row in the tile
+  const QueryTile tile = DecodeQueryTile(p, kM);
+  const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, tile.r);
+  const Mask mask = MakeMask(p, tile.b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
+  const int H = static_cast<int>(p.head_dim);
+  const int m0 = tile.m_block * kM;
+  const int m_last = min(m0 + kM, mask.q_len) - 1;
+
+  const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
+  const T* k = static_cast<const T*>(p.k) + off.kv;
+  const T* v = static_cast<const T*>(p.v) + off.kv;
+
+  // Tiles are skipped per warpgroup (its 64 rows); masking is decided per warp (16 rows).
+  const int group_row0 = m0 + 64 * group;
+  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, group_row0,
+                                           min(group_row0 + 64, mask.q_len) - 1, kN);
+  const int n_begin = walk.begin, n_end = walk.end;
+  const int warp_row0 = m0 + local_row0;
+  const int warp_row1 = min(warp_row0 + 16, mask.q_len) - 1;
+
+  float acc_o[1][kD / 8][4];
+  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  Zero(acc_o);
+
+  // Descriptors: Q rows of this warpgroup; K and V of buffer 0 (buffer 1 is KVTile::kBytes
+  // * 2 further, in 16-byte units).
+  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * group * 128, 16, 1024);
+  const uint64_t k_desc = sm90::SwizzledDescriptor(skv, 16, 1024);
+  const uint64_t v_desc =
+      sm90::SwizzledDescriptor(skv + KVTile::kBytes, KVTile::kBlockBytes, 1024);
+  constexpr uint64_t kBufferStep = 2 * KVTile::kBytes / 16;
+
+  auto load_kv = [&](int nb, int buf) {
+    unsigned char* dst = skv + 2 * buf * KVTile::kBytes;
+    const int row0 = nb * kN;
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst, k + row0 * off.kv_ld, off.kv_ld,
+                                                  mask.kv_len - row0, H);
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst + KVTile::kBytes, v + row0 * off.kv_ld,
+                                                  off.kv_ld, mask.kv_len - row0, H);
+    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+  };
+  if (n_begin < n_end) {
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
+    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    load_kv(n_begin, 0);
+    CpAsyncCommit();
+  }
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int n0 = nb * kN;
+    const int buf = (nb - n_begin) & 1;
+    CpAsyncWait<0>();
+    sm90::FenceSharedForAsyncProxy();
+    __syncthreads();  // tile nb in smem; both warpgroups are done with tile nb - 1's buffer
+    if (nb + 1 < n_end) {
+      load_kv(nb + 1, buf ^ 1);  // overlaps all of tile nb's math
+      CpAsyncCommit();
+    }
+    if (walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + local_row0, 16,
+        skv_seg + buf * kN, kN, lane);
+    // A warp whose rows see nothing of the tile masks it element by element instead (its
+    // warpgroup's MMAs run anyway); only a warpgroup that sees nothing skips.
+    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
+
+    float acc_s[1][kN / 8][4];
+    sm90::Fence();
+#pragma unroll
+    for (int kk = 0; kk < kD / 16; ++kk) {
+      // 16 columns = 32 bytes inside a 64-column block; blocks are kRows * 128 bytes apart.
+      const uint64_t a = q_desc + ((kk >> 2) * Tr::QTile::kBlockBytes + (kk & 3) * 32) / 16;
+      const uint64_t b = k_desc + buf * kBufferStep +
+                         ((kk >> 2) * KVTile::kBlockBytes + (kk & 3) * 32) / 16;
+      sm90::Wgmma<T, kN>::SS(acc_s[0], a, b, kk > 0);
+    }
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(acc_s[0]);
+
+    float correction[1][2];
+    ToLogits<false, kN, kSoftcap>(acc_s[0], ls, mask, tm.masked, warp_row0, n0, tm.RowSeg(0),
+                                  tm.col_seg, lane);
+    OnlineSoftmax<kN>(acc_s[0], row_max[0], row_sum[0], correction[0], ls.fold);
+    uint32_t p_frags[kN / 16][1][4];
+    PackProbs<T, kN, 1>(p_frags, acc_s);
+    RescaleRows<1, kD>(acc_o, correction);
+
+    sm90::Fence();
+#pragma unroll
+    for (int kk = 0; kk < kN / 16; ++kk) {
+      // 16 keys = 16 rows of 128 bytes.
+      const uint64_t b = v_desc + buf * kBufferStep + kk * (16 * 128 / 16);
+      sm90::Wgmma<T, kD>::RS(acc_o[0], p_frags[kk][0], b, true);
+    }
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(acc_o[0]);
+  }
+
+  T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
+  StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum, ls.fold,
+                            local_row0, m0, mask.q_len, H, lane);
+#endif
+}
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
+  auto kernel = AttentionFwdSm90Kernel<T, Tr, kMaskable, kSoftcap>;
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+  dim3 grid;
+  JAXGPU_RETURN_IF_CUDA_ERROR(
+      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace attention
+
+bool AttentionFwdSm90Applies(const AttentionParams& p) {
+#ifdef JAXGPU_HAS_SM90A
+  // JAXGPU_ATTENTION_MMA_SYNC=1 forces the portable kernels (tests and comparisons).
+  static const bool forced_off = [] {
+    const char* e = std::getenv("JAXGPU_ATTENTION_MMA_SYNC");
+    return e != nullptr && e[0] != '\0' && e[0] != '0';
+  }();
+  if (forced_off) return false;
+  const int padded = attention::PaddedHeadDim(p.head_dim);
+  if (padded != 64 && padded != 128) return false;
+  int device = 0, major = 0, minor = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) return false;
+  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+    return false;
+  }
+  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+  if (!AttentionFwdSm90Applies(p)) return cudaErrorNotSupported;
+  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    auto run = [&](auto traits) {
+      using Tr = decltype(traits);
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return Launch<T, Tr, kMaskable, kSoftcap>(p, stream);
+        });
+      });
+    };
+    return PaddedHeadDim(p.head_dim) == 64 ? run(Sm90FwdTraits<64>{}) : run(Sm90FwdTraits<128>{});
+  });
+}
+
+}  // namespace jaxgpu::cuda

@@ -1,0 +1,99 @@
+// The forward pass's per-row softmax state, shared by every forward main loop (mma.sync in
+// attention_fwd.cu, wgmma in attention_fwd_sm90.cu): both hold a warp's scores as C tiles
+// of 16 rows (m16n8 / m64nN accumulators have the same per-warp layout; attention_mma.cuh),
+// so the online softmax and the epilogue are one piece of code. No XLA types.
+#pragma once
+
+#include <cstdint>
+
+#include "attention/attention_tile.cuh"
+
+namespace jaxgpu::cuda::attention {
+
+// Online softmax over one key tile, in the log2 domain, for one of a warp's row tiles of
+// 16 rows (rows g and g + 8, reduced over the quad). acc_s holds ToLogits's output and
+// becomes the unnormalized probabilities; correction is what the output accumulator's rows
+// must be multiplied by. The scores stay unscaled (LogitScale::fold): exp2(x * fold -
+// max * fold) is one FFMA and one ex2 per logit.
+template <int kN>
+__device__ __forceinline__ void OnlineSoftmax(float (&acc_s)[kN / 8][4], float (&row_max)[2],
+                                              float (&row_sum)[2], float (&correction)[2],
+                                              float fold) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float mx = row_max[h];
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) mx = fmaxf(mx, fmaxf(acc_s[j][2 * h], acc_s[j][2 * h + 1]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    // Nothing visible yet: keep the sums at 0 (exp2(-inf - 0) = 0, never NaN).
+    const float base = mx == -INFINITY ? 0.f : mx * fold;
+    correction[h] = FastExp2(row_max[h] * fold - base);
+    row_max[h] = mx;
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float pe = FastExp2(fmaf(acc_s[j][2 * h + c], fold, -base));
+        acc_s[j][2 * h + c] = pe;
+        sum += pe;
+      }
+    }
+    row_sum[h] = row_sum[h] * correction[h] + sum;
+  }
+}
+
+// acc_o's rows times the softmax's correction.
+template <int kMT, int kD>
+__device__ __forceinline__ void RescaleRows(float (&acc_o)[kMT][kD / 8][4],
+                                            const float (&correction)[kMT][2]) {
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int j = 0; j < kD / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) acc_o[mi][j][e] *= correction[mi][e >> 1];
+    }
+  }
+}
+
+// Epilogue: normalizes and stores a warp's kMT x 16 output rows, rows row0.. of the tile
+// that starts at o and lse, tile_row0 rows into the sequence (row stride ld; rows at or
+// past seq_len and columns at or past dim are not stored),
+// and the natural-log LSE; a row that saw nothing gets o = 0 and lse = -inf.
+template <typename T, int kMT, int kD>
+__device__ __forceinline__ void StoreOutputRows(T* o, float* lse, int64_t ld,
+                                                const float (&acc_o)[kMT][kD / 8][4],
+                                                const float (&row_max)[kMT][2],
+                                                const float (&row_sum)[kMT][2], float fold,
+                                                int row0, int tile_row0, int seq_len, int dim,
+                                                int lane) {
+  const int g = lane >> 2, t = lane & 3;
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = row_sum[mi][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float inv = sum > 0.f ? 1.0f / sum : 0.f;
+      const int row = row0 + mi * 16 + g + 8 * h;
+      if (tile_row0 + row < seq_len) {
+#pragma unroll
+        for (int j = 0; j < kD / 8; ++j) {
+          const int col = 8 * j + 2 * t;
+          if (col < dim) {
+            *reinterpret_cast<uint32_t*>(o + row * ld + col) =
+                MmaType<T>::Pack(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
+          }
+        }
+        if (t == 0) {
+          lse[row] = sum > 0.f ? (row_max[mi][h] * fold + __log2f(sum)) * kLn2 : -INFINITY;
+        }
+      }
+    }
+  }
+}
+
+}  // namespace jaxgpu::cuda::attention

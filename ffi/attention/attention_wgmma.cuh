@@ -1,0 +1,242 @@
+// Hopper warpgroup tensor-core building blocks (wgmma.mma_async, sm_90a) of the attention
+// forward's second main loop (attention_fwd_sm90.cu): 128-byte-swizzled shared-memory
+// tiles, their matrix descriptors, and m64nNk16 MMAs with float32 accumulation. No XLA
+// types.
+//
+// Why wgmma: mma.sync needs every operand fragment loaded into registers by ldmatrix (the
+// shared-memory pipe bounded the mma.sync forward) and holds the warp until the MMA's
+// registers are ready; wgmma reads B (and here Q) straight from shared memory and runs
+// asynchronously, so a warpgroup's softmax overlaps the other warpgroup's products.
+//
+// Register layouts (PTX ISA, "wgmma .m64nNk16 register fragments"): warp w of the
+// warpgroup holds rows 16w..16w+15 of the 64-row tile, and within them the accumulator D
+// (n-tile j = 4 floats d[j][0..3]) and the register A fragment have exactly the layouts of
+// mma.sync m16n8k16's C and A (attention_mma.cuh). So a warp's score tile is the C tiles the
+// mma.sync kernels' softmax code (attention_softmax.cuh) already works on, and P packs into
+// A fragments with PackProbs.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <cstdint>
+
+#include "attention/attention_mma.cuh"
+
+// Device code for sm_90a only: wgmma does not exist on sm_80 or in a plain sm_90 pass.
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define JAXGPU_WGMMA_DEVICE 1
+#else
+#define JAXGPU_WGMMA_DEVICE 0
+#endif
+
+namespace jaxgpu::cuda::attention::sm90 {
+
+// A (kRows, kDim) 16-bit tile in wgmma's 128-byte-swizzle canonical layout: kDim / 64
+// column blocks of kRows x 128 bytes; within a block the 16-byte chunk c of row r sits at
+// chunk position c ^ (r % 8) of its 128-byte row. The XOR spreads the 8 rows of a core
+// matrix over all 32 banks, and the pattern repeats every 1024 bytes (8 rows), so tiles
+// start on 1024-byte boundaries (descriptor base offset 0).
+template <int kRows, int kDim>
+struct SwizzledTile {
+  static_assert(kDim % 64 == 0, "128-byte swizzle: 64 16-bit columns per block");
+  static constexpr int kBlockBytes = kRows * 128;
+  static constexpr int kBytes = kBlockBytes * (kDim / 64);
+
+  __device__ __forceinline__ static int ChunkOffset(int row, int chunk) {
+    return (chunk >> 3) * kBlockBytes + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  }
+};
+
+// Asynchronous copy of rows [0, kRows) of a global (rows, dim) matrix (row stride ld
+// elements) into a SwizzledTile; rows at or past valid_rows and chunks at or past dim are
+// zero-filled, as in LoadTileAsync.
+template <int kRows, int kDim, int kThreads, typename T>
+__device__ __forceinline__ void LoadSwizzledAsync(unsigned char* tile, const T* gmem, int64_t ld,
+                                                  int valid_rows, int dim) {
+  constexpr int kChunks = kDim / 8;
+  constexpr int kTotal = kRows * kChunks;
+  static_assert(kTotal % kThreads == 0, "every thread copies the same number of chunks");
+  const int dim_chunks = dim >> 3;
+#pragma unroll
+  for (int it = 0; it < kTotal / kThreads; ++it) {
+    const int i = it * kThreads + threadIdx.x;
+    const int row = i / kChunks;
+    const int chunk = i - row * kChunks;
+    const bool ok = row < valid_rows && chunk < dim_chunks;
+    const T* src = ok ? gmem + row * ld + chunk * 8 : gmem;
+    const unsigned addr = SmemAddress(tile + SwizzledTile<kRows, kDim>::ChunkOffset(row, chunk));
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
+                 "r"(ok ? 16 : 0)
+                 : "memory");
+  }
+}
+
+// Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
+// start address, leading and stride byte offsets, all in 16-byte units, swizzle mode 1.
+//   K-major (Q, K: the reduction dim contiguous): the leading offset is unused (1), the
+//     stride offset is 1024 bytes between 8-row groups; a 16-column k-step inside a
+//     64-column block is a 32-byte advance of the start address.
+//   MN-major (V in P V: the output dim contiguous): leading offset = bytes between 64-column
+//     blocks, stride offset = 1024 bytes between groups of 8 k-rows.
+__device__ __forceinline__ uint64_t SwizzledDescriptor(const void* smem, uint32_t leading_bytes,
+                                                       uint32_t stride_bytes) {
+  const uint32_t addr = SmemAddress(smem);
+  return static_cast<uint64_t>((addr & 0x3FFFF) >> 4) |
+         (static_cast<uint64_t>(leading_bytes >> 4) << 16) |
+         (static_cast<uint64_t>(stride_bytes >> 4) << 32) | (static_cast<uint64_t>(1) << 62);
+}
+
+// Fences and groups of the asynchronous MMAs. Fence() orders the warpgroup's register
+// writes (accumulators, A fragments) before the MMAs that read them; Wait<n>() returns
+// once at most n committed groups are pending. KeepOrder ties an array's registers to that
+// point so the compiler cannot move their reads above the wait (or writes below the MMA).
+__device__ __forceinline__ void Fence() {
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void Commit() {
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+template <int kPending>
+__device__ __forceinline__ void Wait() {
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
+#endif
+}
+template <int A, int B>
+__device__ __forceinline__ void KeepOrder(float (&x)[A][B]) {
+#pragma unroll
+  for (int i = 0; i < A; ++i) {
+#pragma unroll
+    for (int j = 0; j < B; ++j) asm volatile("" : "+f"(x[i][j])::"memory");
+  }
+}
+
+// Shared memory written through the generic proxy (cp.async here) and read next by wgmma
+// (the async proxy) needs this fence in each writing thread before the barrier.
+__device__ __forceinline__ void FenceSharedForAsyncProxy() {
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// True on every thread of warpgroup `group` (barrier group + 1, 128 threads) when `pred`
+// holds on all of them: a warpgroup may skip a tile only together (wgmma is .aligned).
+__device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
+  int all = 0;
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile(
+      "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, 128, q;\n"
+      "selp.s32 %0, 1, 0, p;\n}\n"
+      : "=r"(all)
+      : "r"(static_cast<int>(pred)), "r"(group + 1));
+#endif
+  return all != 0;
+}
+
+#define JAXGPU_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
+
+#define JAXGPU_WGMMA_SS_N64(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+      "%32, %33, p, 1, 1, 0, 0;\n}\n" \
+      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
+        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
+        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
+        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7) \
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+
+#define JAXGPU_WGMMA_RS_N64(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
+      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
+      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
+        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
+        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
+        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), \
+        "r"(static_cast<int>(accumulate)))
+
+#define JAXGPU_WGMMA_SS_N128(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+      "%64, %65, p, 1, 1, 0, 0;\n}\n" \
+      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
+        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
+        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
+        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7), \
+        JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9), \
+        JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), \
+        JAXGPU_WGMMA_D4(d, 12), JAXGPU_WGMMA_D4(d, 13), \
+        JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15) \
+      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+
+#define JAXGPU_WGMMA_RS_N128(TYPE) \
+  asm volatile( \
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
+      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
+      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
+      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
+        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
+        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
+        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7), \
+        JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9), \
+        JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), \
+        JAXGPU_WGMMA_D4(d, 12), JAXGPU_WGMMA_D4(d, 13), \
+        JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15) \
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), \
+        "r"(static_cast<int>(accumulate)))
+
+
+// d (+)= A B for a warpgroup's 64 x N tile (N = 64 or 128), k = 16. accumulate = false
+// overwrites d. SS: A and B K-major in shared memory (descriptors). RS: A in registers (the
+// warp's m16n8k16 A fragment), B MN-major in shared memory.
+template <typename T, int N>
+struct Wgmma;
+
+#if JAXGPU_WGMMA_DEVICE
+#define JAXGPU_WGMMA_SS(N, TYPE) JAXGPU_WGMMA_SS_N##N(TYPE)
+#define JAXGPU_WGMMA_RS(N, TYPE) JAXGPU_WGMMA_RS_N##N(TYPE)
+#else
+#define JAXGPU_WGMMA_SS(N, TYPE) (void)0
+#define JAXGPU_WGMMA_RS(N, TYPE) (void)0
+#endif
+
+#define JAXGPU_WGMMA_SPECIALIZE(T, TYPE, N)                                                \
+  template <>                                                                              \
+  struct Wgmma<T, N> {                                                                     \
+    __device__ __forceinline__ static void SS(float (&d)[N / 8][4], uint64_t desc_a,       \
+                                              uint64_t desc_b, bool accumulate) {          \
+      JAXGPU_WGMMA_SS(N, TYPE);                                                            \
+    }                                                                                      \
+    __device__ __forceinline__ static void RS(float (&d)[N / 8][4], const uint32_t (&a)[4], \
+                                              uint64_t desc_b, bool accumulate) {          \
+      JAXGPU_WGMMA_RS(N, TYPE);                                                            \
+    }                                                                                      \
+  };
+
+JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 64)
+JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 128)
+JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 64)
+JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 128)
+
+}  // namespace jaxgpu::cuda::attention::sm90
