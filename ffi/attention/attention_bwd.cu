@@ -4,7 +4,8 @@
 //   1. DeltaKernel   delta = rowsum(dO * O) per query row (float32 workspace).
 //   2. DqKernel      per (query tile, query head): walks the visible key tiles,
 //                    recomputes P = exp(L - lse), dP = dO V^T, dS = P (dP - delta),
-//                    dQ += dS K. (3 products)
+//                    dQ += dS K. (3 products; on Hopper DqSm90Kernel in
+//                    attention_bwd_sm90.cu does the same on wgmma)
 //   3. DkvKernel     per (key tile, kv head): walks every query head of its GQA group and
 //                    the visible query tiles, recomputes P^T and dP^T with keys as rows,
 //                    dV += P^T dO, dK += dS^T Q (4 products), in warp pairs: one warp
@@ -16,6 +17,7 @@
 
 #include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_softmax.cuh"
 #include "attention/attention_tile.cuh"
 
 namespace jaxgpu::cuda {
@@ -49,30 +51,6 @@ __global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
     const int64_t t = bt % p.q_len, b = bt / p.q_len;
     p.delta[(b * heads + head) * p.q_len + t] = acc;
   }
-}
-
-// Probabilities and score gradients of a score tile. x holds ToLogits's output (-inf where
-// masked), dp the products dO V^T; lse2 / delta are the element's query statistics.
-// p = exp2(x fold - lse2) (0 where masked, also on rows with nothing visible, whose lse is
-// -inf); ds = GradWeight * (dp - delta), where GradWeight is p times the softcap's
-// derivative 1 - tanh^2 (p without a softcap); the kernels apply the scale at the end.
-__device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
-  return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
-}
-
-template <bool kSoftcap>
-__device__ __forceinline__ float GradWeight(float x, float pr) {
-  if (!kSoftcap) return pr;
-  return x == -INFINITY ? 0.f : pr * (1.f - x * x);  // x = tanh(score * scale / cap)
-}
-
-// In place: x becomes p, dp becomes ds.
-template <bool kSoftcap>
-__device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
-                                              const LogitScale& ls) {
-  const float pr = ProbOfLogit(x, lse2, ls);
-  dp = GradWeight<kSoftcap>(x, pr) * (dp - delta);
-  x = pr;
 }
 
 // ---- 2. dQ ---------------------------------------------------------------------------------
@@ -422,13 +400,17 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
 
-    auto dq_kernel = DqKernel<T, Dq, kMaskable, kSoftcap>;
-    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
-    dim3 grid;
-    JAXGPU_RETURN_IF_CUDA_ERROR(
-        FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Dq::kBlockM), &grid));
-    dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p, ls);
-    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    if (AttentionSm90Applies(p)) {
+      JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));  // wgmma (sm_90a)
+    } else {
+      auto dq_kernel = DqKernel<T, Dq, kMaskable, kSoftcap>;
+      JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
+      dim3 grid;
+      JAXGPU_RETURN_IF_CUDA_ERROR(
+          FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Dq::kBlockM), &grid));
+      dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p, ls);
+      JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    }
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {
     auto dkv_kernel = DkvKernel<T, Dkv, kMaskable, kSoftcap>;

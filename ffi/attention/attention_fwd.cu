@@ -147,7 +147,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
 cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (AttentionFwdSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
+  if (AttentionSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
   if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {

@@ -122,14 +122,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
     float acc_s[1][kN / 8][4];
     sm90::Fence();
-#pragma unroll
-    for (int kk = 0; kk < kD / 16; ++kk) {
-      // 16 columns = 32 bytes inside a 64-column block; blocks are kRows * 128 bytes apart.
-      const uint64_t a = q_desc + ((kk >> 2) * Tr::QTile::kBlockBytes + (kk & 3) * 32) / 16;
-      const uint64_t b = k_desc + buf * kBufferStep +
-                         ((kk >> 2) * KVTile::kBlockBytes + (kk & 3) * 32) / 16;
-      sm90::Wgmma<T, kN>::SS(acc_s[0], a, b, kk > 0);
-    }
+    sm90::ProductSS<T, kN, kD, Tr::QTile::kBlockBytes, KVTile::kBlockBytes>(
+        acc_s[0], q_desc, k_desc + buf * kBufferStep, false);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_s[0]);
@@ -143,12 +137,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     RescaleRows<1, kD>(acc_o, correction);
 
     sm90::Fence();
-#pragma unroll
-    for (int kk = 0; kk < kN / 16; ++kk) {
-      // 16 keys = 16 rows of 128 bytes.
-      const uint64_t b = v_desc + buf * kBufferStep + kk * (16 * 128 / 16);
-      sm90::Wgmma<T, kD>::RS(acc_o[0], p_frags[kk][0], b, true);
-    }
+    sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags, v_desc + buf * kBufferStep);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_o[0]);
@@ -174,7 +163,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
 }  // namespace
 }  // namespace attention
 
-bool AttentionFwdSm90Applies(const AttentionParams& p) {
+bool AttentionSm90Applies(const AttentionParams& p) {
 #ifdef JAXGPU_HAS_SM90A
   // JAXGPU_ATTENTION_MMA_SYNC=1 forces the portable kernels (tests and comparisons).
   static const bool forced_off = [] {
@@ -200,7 +189,7 @@ bool AttentionFwdSm90Applies(const AttentionParams& p) {
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (!AttentionFwdSm90Applies(p)) return cudaErrorNotSupported;
+  if (!AttentionSm90Applies(p)) return cudaErrorNotSupported;
   if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     auto run = [&](auto traits) {

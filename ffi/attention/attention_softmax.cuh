@@ -1,7 +1,8 @@
-// The forward pass's per-row softmax state, shared by every forward main loop (mma.sync in
-// attention_fwd.cu, wgmma in attention_fwd_sm90.cu): both hold a warp's scores as C tiles
-// of 16 rows (m16n8 / m64nN accumulators have the same per-warp layout; attention_mma.cuh),
-// so the online softmax and the epilogue are one piece of code. No XLA types.
+// The softmax of the attention kernels, shared by every main loop (mma.sync in
+// attention_fwd.cu / attention_bwd.cu, wgmma in the *_sm90.cu files): all hold a warp's
+// scores as C tiles of 16 rows (m16n8 and m64nN accumulators have the same per-warp layout;
+// attention_wgmma.cuh), so the online softmax, the epilogue and the backward's
+// recomputation are one piece of code each. No XLA types.
 #pragma once
 
 #include <cstdint>
@@ -94,6 +95,32 @@ __device__ __forceinline__ void StoreOutputRows(T* o, float* lse, int64_t ld,
       }
     }
   }
+}
+
+// ---- backward: the softmax recomputed from the saved log-sum-exp --------------------------
+
+// Probabilities and score gradients of a score tile. x holds ToLogits's output (-inf where
+// masked), dp the products dO V^T; lse2 / delta are the element's query statistics.
+// p = exp2(x fold - lse2) (0 where masked, also on rows with nothing visible, whose lse is
+// -inf); ds = GradWeight * (dp - delta), where GradWeight is p times the softcap's
+// derivative 1 - tanh^2 (p without a softcap); the kernels apply the scale at the end.
+__device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
+  return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
+}
+
+template <bool kSoftcap>
+__device__ __forceinline__ float GradWeight(float x, float pr) {
+  if (!kSoftcap) return pr;
+  return x == -INFINITY ? 0.f : pr * (1.f - x * x);  // x = tanh(score * scale / cap)
+}
+
+// In place: x becomes p, dp becomes ds.
+template <bool kSoftcap>
+__device__ __forceinline__ void ProbsAndGrads(float& x, float& dp, float lse2, float delta,
+                                              const LogitScale& ls) {
+  const float pr = ProbOfLogit(x, lse2, ls);
+  dp = GradWeight<kSoftcap>(x, pr) * (dp - delta);
+  x = pr;
 }
 
 }  // namespace jaxgpu::cuda::attention

@@ -239,4 +239,30 @@ JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 128)
 JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 64)
 JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 128)
 
+// acc (+)= A B^T over kDim features for a warpgroup's 64 rows of A against the kN rows of B,
+// both K-major SwizzledTiles (a_desc / b_desc: their first rows; column blocks
+// kABlockBytes / kBBlockBytes apart). accumulate = false overwrites acc.
+template <typename T, int kN, int kDim, int kABlockBytes, int kBBlockBytes>
+__device__ __forceinline__ void ProductSS(float (&acc)[kN / 8][4], uint64_t a_desc,
+                                          uint64_t b_desc, bool accumulate) {
+#pragma unroll
+  for (int kk = 0; kk < kDim / 16; ++kk) {
+    // 16 columns are 32 bytes inside a 64-column block (descriptors count 16-byte units).
+    const uint64_t a = a_desc + ((kk >> 2) * kABlockBytes + (kk & 3) * 32) / 16;
+    const uint64_t b = b_desc + ((kk >> 2) * kBBlockBytes + (kk & 3) * 32) / 16;
+    Wgmma<T, kN>::SS(acc, a, b, accumulate || kk > 0);
+  }
+}
+
+// acc += P B over kK rows of B: P as packed A fragments (PackProbs, one row tile), B an
+// MN-major SwizzledTile (b_desc: leading offset = its column-block stride).
+template <typename T, int kAcc, int kK>
+__device__ __forceinline__ void ProductRS(float (&acc)[kAcc / 8][4],
+                                          const uint32_t (&a)[kK / 16][1][4], uint64_t b_desc) {
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    Wgmma<T, kAcc>::RS(acc, a[kk][0], b_desc + kk * (16 * 128 / 16), true);  // 16 rows of 128 B
+  }
+}
+
 }  // namespace jaxgpu::cuda::attention::sm90

@@ -1,0 +1,197 @@
+// Attention backward's dQ on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop
+// of attention_bwd.cu's DqKernel (same products, same determinism: each dQ element is
+// summed by one thread over the key tiles in order), chosen at launch where
+// AttentionSm90Applies. The dK/dV kernel and delta stay on attention_bwd.cu's kernels.
+//
+// One CTA owns 128 queries of one query head, two warpgroups of 64 rows. Per 64-key tile a
+// warpgroup computes S = Q K^T and dP = dO V^T (Q, dO, K, V all read by the tensor cores
+// from shared memory), turns them into dS in registers (attention_softmax.cuh), and
+// accumulates dQ += dS K with dS from registers and K, read a second time as an MN-major
+// operand, from shared memory.
+#include <cuda_runtime.h>
+
+#include "attention/attention_cuda.h"
+#include "attention/attention_launch.cuh"
+#include "attention/attention_softmax.cuh"
+#include "attention/attention_tile.cuh"
+#include "attention/attention_wgmma.cuh"
+
+namespace jaxgpu::cuda {
+namespace attention {
+namespace {
+
+template <int kHeadDim_>
+struct Sm90DqTraits {
+  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  // 64 keys: the S and dP tiles (2 x 32 floats a thread) fit beside the H / 2 dQ
+  // accumulators.
+  static constexpr int kBlockN = 64;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
+  // Q, dO, then 2 x (K, V), then the segment ids of the query tile and of 2 key tiles.
+  static constexpr int kKVOffset = 2 * QTile::kBytes;
+  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
+};
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    DqSm90Kernel(AttentionParams p, LogitScale ls) {
+#if JAXGPU_WGMMA_DEVICE
+  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
+  using QTile = typename Tr::QTile;
+  using KVTile = typename Tr::KVTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
+  unsigned char* sq = smem;
+  unsigned char* sdo = smem + QTile::kBytes;
+  unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
+  int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
+  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int group = warp >> 2;
+  const int local_row0 = 64 * group + 16 * (warp & 3);
+  const QueryTile tile = DecodeQueryTile(p, kM);
+  const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, tile.r);
+  const Mask mask = MakeMask(p, tile.b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
+  const int H = static_cast<int>(p.head_dim);
+  const int m0 = tile.m_block * kM;
+  const int m_last = min(m0 + kM, mask.q_len) - 1;
+  const T* k = static_cast<const T*>(p.k) + off.kv;
+  const T* v = static_cast<const T*>(p.v) + off.kv;
+
+  const int group_row0 = m0 + 64 * group;
+  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, group_row0,
+                                           min(group_row0 + 64, mask.q_len) - 1, kN);
+  const int n_begin = walk.begin, n_end = walk.end;
+  const int warp_row0 = m0 + local_row0;
+  const int warp_row1 = min(warp_row0 + 16, mask.q_len) - 1;
+
+  float lse2[2], delta[2];
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = warp_row0 + g + 8 * h;
+    lse2[h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
+    delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
+  }
+  float acc_dq[1][kD / 8][4];
+  Zero(acc_dq);
+
+  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * group * 128, 16, 1024);
+  const uint64_t do_desc = sm90::SwizzledDescriptor(sdo + 64 * group * 128, 16, 1024);
+  const uint64_t k_desc = sm90::SwizzledDescriptor(skv, 16, 1024);
+  const uint64_t v_desc = sm90::SwizzledDescriptor(skv + KVTile::kBytes, 16, 1024);
+  // K once more as the B operand of dS K: MN-major (head dim contiguous).
+  const uint64_t k_desc_mn = sm90::SwizzledDescriptor(skv, KVTile::kBlockBytes, 1024);
+  constexpr uint64_t kBufferStep = 2 * KVTile::kBytes / 16;
+
+  auto load_kv = [&](int nb, int buf) {
+    unsigned char* dst = skv + 2 * buf * KVTile::kBytes;
+    const int row0 = nb * kN;
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst, k + row0 * off.kv_ld, off.kv_ld,
+                                                  mask.kv_len - row0, H);
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst + KVTile::kBytes, v + row0 * off.kv_ld,
+                                                  off.kv_ld, mask.kv_len - row0, H);
+    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+  };
+  if (n_begin < n_end) {
+    const int64_t first = off.q + m0 * off.q_ld;
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, static_cast<const T*>(p.q) + first,
+                                                  off.q_ld, mask.q_len - m0, H);
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + first,
+                                                  off.q_ld, mask.q_len - m0, H);
+    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    load_kv(n_begin, 0);
+    CpAsyncCommit();
+  }
+  for (int nb = n_begin; nb < n_end; ++nb) {
+    const int n0 = nb * kN;
+    const int buf = (nb - n_begin) & 1;
+    CpAsyncWait<0>();
+    sm90::FenceSharedForAsyncProxy();
+    __syncthreads();  // tile nb in smem; both warpgroups are done with tile nb - 1's buffer
+    if (nb + 1 < n_end) {
+      load_kv(nb + 1, buf ^ 1);
+      CpAsyncCommit();
+    }
+    if (walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + local_row0, 16,
+        skv_seg + buf * kN, kN, lane);
+    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
+
+    float s[1][kN / 8][4], dp[1][kN / 8][4];
+    sm90::Fence();
+    sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
+        s[0], q_desc, k_desc + buf * kBufferStep, false);
+    sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
+        dp[0], do_desc, v_desc + buf * kBufferStep, false);
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(s[0]);
+    sm90::KeepOrder(dp[0]);
+
+    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, warp_row0, n0, tm.RowSeg(0),
+                                  tm.col_seg, lane);
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
+      }
+    }
+    uint32_t ds_frags[kN / 16][1][4];
+    PackProbs<T, kN, 1>(ds_frags, dp);
+    sm90::Fence();
+    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_desc_mn + buf * kBufferStep);
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(acc_dq[0]);
+  }
+  // Times the softmax scale: dS was taken with respect to the scaled logits.
+  T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
+  StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, local_row0, mask.q_len - m0, 0, H,
+                          lane);
+#endif
+}
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
+  auto kernel = DqSm90Kernel<T, Tr, kMaskable, kSoftcap>;
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+  dim3 grid;
+  JAXGPU_RETURN_IF_CUDA_ERROR(
+      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
+  return cudaGetLastError();
+}
+
+}  // namespace
+}  // namespace attention
+
+// Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
+cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+  if (!AttentionSm90Applies(p)) return cudaErrorNotSupported;
+  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    auto run = [&](auto traits) {
+      using Tr = decltype(traits);
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return Launch<T, Tr, kMaskable, kSoftcap>(p, stream);
+        });
+      });
+    };
+    return PaddedHeadDim(p.head_dim) == 64 ? run(Sm90DqTraits<64>{}) : run(Sm90DqTraits<128>{});
+  });
+}
+
+}  // namespace jaxgpu::cuda
