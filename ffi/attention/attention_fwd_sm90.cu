@@ -53,7 +53,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const int group = warp >> 2;  // warpgroup: rows 64 * group.. of the CTA's tile
+  // The warpgroup (rows 64 * group.. of the CTA's tile), read through a shuffle so that
+  // ptxas knows it is warp-uniform: wgmma under a branch it thinks divergent is serialized.
+  const int group = __shfl_sync(0xffffffffu, warp >> 2, 0);
   const int local_row0 = 64 * group + 16 * (warp & 3);  // the warp's first row in the tile
   const QueryTile tile = DecodeQueryTile(p, kM);
   const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, tile.r);
@@ -87,57 +89,93 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::SwizzledDescriptor(skv + KVTile::kBytes, KVTile::kBlockBytes, 1024);
   constexpr uint64_t kBufferStep = 2 * KVTile::kBytes / 16;
 
-  auto load_kv = [&](int nb, int buf) {
-    unsigned char* dst = skv + 2 * buf * KVTile::kBytes;
+  // Software pipeline within a warpgroup: tile i's S = Q K_i^T and tile i-1's O += P V_{i-1}
+  // are issued together, and tile i's softmax runs while the tensor cores finish P V. So V
+  // lags K by one tile: the copy group issued in iteration i holds K_{i+1} and V_i, both
+  // in the buffers of parity (i+1) & 1 and i & 1 whose previous tiles' products were waited
+  // for in iteration i - 1.
+  auto load_k = [&](int nb, int buf) {
     const int row0 = nb * kN;
-    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst, k + row0 * off.kv_ld, off.kv_ld,
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(skv + 2 * buf * KVTile::kBytes,
+                                                  k + row0 * off.kv_ld, off.kv_ld,
                                                   mask.kv_len - row0, H);
-    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst + KVTile::kBytes, v + row0 * off.kv_ld,
-                                                  off.kv_ld, mask.kv_len - row0, H);
     if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
   };
-  if (n_begin < n_end) {
-    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
-    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
-    load_kv(n_begin, 0);
-    CpAsyncCommit();
-  }
-  for (int nb = n_begin; nb < n_end; ++nb) {
-    const int n0 = nb * kN;
+  auto load_v = [&](int nb, int buf) {
+    const int row0 = nb * kN;
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(skv + (2 * buf + 1) * KVTile::kBytes,
+                                                  v + row0 * off.kv_ld, off.kv_ld,
+                                                  mask.kv_len - row0, H);
+  };
+  // Waits for the copy group of iteration nb (K_nb, V_{nb-1}) and issues the next one.
+  auto next_tiles = [&](int nb) {
     const int buf = (nb - n_begin) & 1;
     CpAsyncWait<0>();
     sm90::FenceSharedForAsyncProxy();
-    __syncthreads();  // tile nb in smem; both warpgroups are done with tile nb - 1's buffer
-    if (nb + 1 < n_end) {
-      load_kv(nb + 1, buf ^ 1);  // overlaps all of tile nb's math
-      CpAsyncCommit();
-    }
-    if (walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
-    const TileMasking tm = DecideMasking<kMaskable>(
-        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + local_row0, 16,
-        skv_seg + buf * kN, kN, lane);
-    // A warp whose rows see nothing of the tile masks it element by element instead (its
-    // warpgroup's MMAs run anyway); only a warpgroup that sees nothing skips.
-    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
-
-    float acc_s[1][kN / 8][4];
+    __syncthreads();  // both warpgroups are done with the buffers the copies overwrite
+    if (nb + 1 < n_end) load_k(nb + 1, buf ^ 1);
+    load_v(nb, buf);
+    CpAsyncCommit();
+  };
+  // S = Q K^T of tile nb (issued and committed, not waited for).
+  auto issue_scores = [&](float (&acc_s)[1][kN / 8][4], int nb) {
     sm90::Fence();
     sm90::ProductSS<T, kN, kD, Tr::QTile::kBlockBytes, KVTile::kBlockBytes>(
-        acc_s[0], q_desc, k_desc + buf * kBufferStep, false);
+        acc_s[0], q_desc, k_desc + ((nb - n_begin) & 1) * kBufferStep, false);
     sm90::Commit();
-    sm90::Wait<0>();
-    sm90::KeepOrder(acc_s[0]);
-
-    float correction[1][2];
+  };
+  // Tile nb's softmax. Tiles a warpgroup's rows see nothing of are not skipped but masked
+  // whole: a skip would put a branch around the pipelined MMAs, and ptxas serializes
+  // wgmma in divergent paths. (Whole CTAs still skip them: TileWalk's begin and end.)
+  float correction[1][2];
+  auto softmax = [&](float (&acc_s)[1][kN / 8][4], int nb) {
+    const int n0 = nb * kN;
+    TileMasking tm = DecideMasking<kMaskable>(mask, segments, warp_row0, warp_row1, n0,
+                                              n0 + kN - 1, sq_seg + local_row0, 16,
+                                              skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
+    if (kMaskable && walk.WarpSkips(n0, kN)) tm.masked = true;
     ToLogits<false, kN, kSoftcap>(acc_s[0], ls, mask, tm.masked, warp_row0, n0, tm.RowSeg(0),
                                   tm.col_seg, lane);
     OnlineSoftmax<kN>(acc_s[0], row_max[0], row_sum[0], correction[0], ls.fold);
-    uint32_t p_frags[kN / 16][1][4];
-    PackProbs<T, kN, 1>(p_frags, acc_s);
-    RescaleRows<1, kD>(acc_o, correction);
+  };
+  uint32_t p_frags[kN / 16][1][4];  // P of the previous tile, pending its product with V
 
+  if (n_begin < n_end) {
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
+    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    load_k(n_begin, 0);
+    CpAsyncCommit();
+    {
+      float acc_s[1][kN / 8][4];
+      next_tiles(n_begin);
+      issue_scores(acc_s, n_begin);
+      sm90::Wait<0>();
+      sm90::KeepOrder(acc_s[0]);
+      softmax(acc_s, n_begin);
+      PackProbs<T, kN, 1>(p_frags, acc_s);
+    }
+    for (int nb = n_begin + 1; nb < n_end; ++nb) {
+      float acc_s[1][kN / 8][4];
+      next_tiles(nb);
+      issue_scores(acc_s, nb);
+      sm90::Fence();  // O += P V of tile nb - 1, overlapping tile nb's softmax
+      sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags,
+                                 v_desc + ((nb - 1 - n_begin) & 1) * kBufferStep);
+      sm90::Commit();
+      sm90::Wait<1>();  // S ready; P V may still run
+      sm90::KeepOrder(acc_s[0]);
+      softmax(acc_s, nb);
+      sm90::Wait<0>();
+      sm90::KeepOrder(acc_o[0]);
+      RescaleRows<1, kD>(acc_o, correction);
+      PackProbs<T, kN, 1>(p_frags, acc_s);
+    }
+    CpAsyncWait<0>();
+    sm90::FenceSharedForAsyncProxy();
+    __syncthreads();  // the last V in smem
     sm90::Fence();
-    sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags, v_desc + buf * kBufferStep);
+    sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags,
+                               v_desc + ((n_end - 1 - n_begin) & 1) * kBufferStep);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_o[0]);
