@@ -1,14 +1,15 @@
 // Attention forward on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop beside
 // attention_fwd.cu's mma.sync one, same parameters, same masking and softmax code, chosen
-// at launch on an sm_90 device for head dims 64 and 128.
+// at launch on an sm_90 device for head dims padded to 64 and 128.
 //
 // One CTA owns kBlockM = 128 queries of one query head: two warpgroups of 64 rows. Per key
 // tile of kBlockN keys a warpgroup computes S = Q K^T with Q and K read by the tensor cores
 // straight from shared memory (no ldmatrix), runs the online softmax on its registers
 // (attention_softmax.cuh), and accumulates O += P V with P from registers and V from
-// shared memory. K/V tiles are double-buffered with cp.async (tile j+1's copy overlaps tile
-// j's math), one CTA barrier per tile. The two warpgroups interleave on the tensor cores:
-// one's softmax runs while the other's products do.
+// shared memory. K and V tiles are double-buffered with cp.async (the next tiles' copies
+// overlap this tile's math), one CTA barrier per tile. Within a warpgroup the products are
+// pipelined (tile i's S with tile i-1's P V, the softmax under P V: see the loop), and the
+// two warpgroups interleave on the tensor cores besides.
 #include <cuda_runtime.h>
 
 #include <cstdlib>
