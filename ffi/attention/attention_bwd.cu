@@ -403,13 +403,8 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     if (AttentionSm90Applies(p)) {
       JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));  // wgmma (sm_90a)
     } else {
-      auto dq_kernel = DqKernel<T, Dq, kMaskable, kSoftcap>;
-      JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dq_kernel, Dq::kSmemBytes));
-      dim3 grid;
       JAXGPU_RETURN_IF_CUDA_ERROR(
-          FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Dq::kBlockM), &grid));
-      dq_kernel<<<grid, Dq::kThreads, Dq::kSmemBytes, stream>>>(p, ls);
-      JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+          LaunchOverQueryTiles<Dq>(DqKernel<T, Dq, kMaskable, kSoftcap>, p, stream));
     }
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {

@@ -12,6 +12,7 @@
 
 #include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_sm90_rows.cuh"
 #include "attention/attention_softmax.cuh"
 #include "attention/attention_tile.cuh"
 #include "attention/attention_wgmma.cuh"
@@ -46,46 +47,34 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = sm90::SwizzleAligned(smem_raw);
   unsigned char* sq = smem;
   unsigned char* sdo = smem + QTile::kBytes;
   unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
   int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
-  const int group = warp >> 2;
-  const int local_row0 = 64 * group + 16 * (warp & 3);
-  const QueryTile tile = DecodeQueryTile(p, kM);
-  const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, tile.r);
-  const Mask mask = MakeMask(p, tile.b);
-  const bool segments = kMaskable && mask.q_seg != nullptr;
-  const int H = static_cast<int>(p.head_dim);
-  const int m0 = tile.m_block * kM;
-  const int m_last = min(m0 + kM, mask.q_len) - 1;
+  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable>(p);
+  const HeadOffsets& off = rows.off;
+  const Mask& mask = rows.mask;
+  const int m0 = rows.m0, n_begin = rows.walk.begin, n_end = rows.walk.end;
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
-
-  const int group_row0 = m0 + 64 * group;
-  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, group_row0,
-                                           min(group_row0 + 64, mask.q_len) - 1, kN);
-  const int n_begin = walk.begin, n_end = walk.end;
-  const int warp_row0 = m0 + local_row0;
-  const int warp_row1 = min(warp_row0 + 16, mask.q_len) - 1;
 
   float lse2[2], delta[2];
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
-    const int row = warp_row0 + g + 8 * h;
+    const int row = rows.warp_row0 + g + 8 * h;
     lse2[h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
     delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
   }
   float acc_dq[1][kD / 8][4];
   Zero(acc_dq);
 
-  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * group * 128, 16, 1024);
-  const uint64_t do_desc = sm90::SwizzledDescriptor(sdo + 64 * group * 128, 16, 1024);
+  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * rows.group * 128, 16, 1024);
+  const uint64_t do_desc = sm90::SwizzledDescriptor(sdo + 64 * rows.group * 128, 16, 1024);
   const uint64_t k_desc = sm90::SwizzledDescriptor(skv, 16, 1024);
   const uint64_t v_desc = sm90::SwizzledDescriptor(skv + KVTile::kBytes, 16, 1024);
   // K once more as the B operand of dS K: MN-major (head dim contiguous).
@@ -96,18 +85,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     unsigned char* dst = skv + 2 * buf * KVTile::kBytes;
     const int row0 = nb * kN;
     sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst, k + row0 * off.kv_ld, off.kv_ld,
-                                                  mask.kv_len - row0, H);
+                                                  mask.kv_len - row0, rows.dim);
     sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst + KVTile::kBytes, v + row0 * off.kv_ld,
-                                                  off.kv_ld, mask.kv_len - row0, H);
-    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+                                                  off.kv_ld, mask.kv_len - row0, rows.dim);
+    if (rows.segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
     const int64_t first = off.q + m0 * off.q_ld;
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, static_cast<const T*>(p.q) + first,
-                                                  off.q_ld, mask.q_len - m0, H);
+                                                  off.q_ld, mask.q_len - m0, rows.dim);
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + first,
-                                                  off.q_ld, mask.q_len - m0, H);
-    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+                                                  off.q_ld, mask.q_len - m0, rows.dim);
+    if (rows.segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
@@ -121,11 +110,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       load_kv(nb + 1, buf ^ 1);
       CpAsyncCommit();
     }
-    if (walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
+    if (rows.walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
     const TileMasking tm = DecideMasking<kMaskable>(
-        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + local_row0, 16,
-        skv_seg + buf * kN, kN, lane);
-    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
+        mask, rows.segments, rows.warp_row0, rows.warp_row1, n0, n0 + kN - 1,
+        sq_seg + rows.local_row0, 16, skv_seg + buf * kN, kN, lane);
+    if (rows.segments && sm90::WarpgroupAll(tm.skip, rows.group)) continue;
 
     float s[1][kN / 8][4], dp[1][kN / 8][4];
     sm90::Fence();
@@ -138,7 +127,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::KeepOrder(s[0]);
     sm90::KeepOrder(dp[0]);
 
-    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, warp_row0, n0, tm.RowSeg(0),
+    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, rows.warp_row0, n0, tm.RowSeg(0),
                                   tm.col_seg, lane);
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {
@@ -157,20 +146,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   // Times the softmax scale: dS was taken with respect to the scaled logits.
   T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
-  StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, local_row0, mask.q_len - m0, 0, H,
-                          lane);
+  StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, rows.local_row0, mask.q_len - m0, 0,
+                          rows.dim, lane);
 #endif
-}
-
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = DqSm90Kernel<T, Tr, kMaskable, kSoftcap>;
-  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-  dim3 grid;
-  JAXGPU_RETURN_IF_CUDA_ERROR(
-      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -179,19 +157,11 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (!AttentionSm90Applies(p)) return cudaErrorNotSupported;
-  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
-  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
-    auto run = [&](auto traits) {
-      using Tr = decltype(traits);
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, Tr, kMaskable, kSoftcap>(p, stream);
-        });
-      });
-    };
-    return PaddedHeadDim(p.head_dim) == 64 ? run(Sm90DqTraits<64>{}) : run(Sm90DqTraits<128>{});
+  return DispatchSm90<Sm90DqTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
+    using Tr = decltype(tr);
+    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
+    return LaunchOverQueryTiles<Tr>(DqSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>, p,
+                                    stream);
   });
 }
 

@@ -130,31 +130,21 @@ __global__ void __launch_bounds__(Tr::kThreads)
                                      warp * kMT * 16, m0, mask.q_len, H, lane);
 }
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = AttentionFwdKernel<T, Tr, kMaskable, kSoftcap>;
-  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-  dim3 grid;
-  JAXGPU_RETURN_IF_CUDA_ERROR(
-      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
-  return cudaGetLastError();
-}
-
 }  // namespace
 }  // namespace attention
 
 cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (AttentionSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
   if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
+  if (AttentionSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, FwdTraits<D>, kMaskable, kSoftcap>(p, stream);
+          return LaunchOverQueryTiles<FwdTraits<D>>(
+              AttentionFwdKernel<T, FwdTraits<D>, kMaskable, kSoftcap>, p, stream);
         });
       });
     });

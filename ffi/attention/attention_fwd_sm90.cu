@@ -16,6 +16,7 @@
 
 #include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_sm90_rows.cuh"
 #include "attention/attention_softmax.cuh"
 #include "attention/attention_tile.cuh"
 #include "attention/attention_wgmma.cuh"
@@ -47,36 +48,21 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
   using KVTile = typename Tr::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
-  unsigned char* smem = smem_raw + ((1024 - (SmemAddress(smem_raw) & 1023)) & 1023);
+  unsigned char* smem = sm90::SwizzleAligned(smem_raw);
   unsigned char* sq = smem;
   unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
   int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  // The warpgroup (rows 64 * group.. of the CTA's tile), read through a shuffle so that
-  // ptxas knows it is warp-uniform: wgmma under a branch it thinks divergent is serialized.
-  const int group = __shfl_sync(0xffffffffu, warp >> 2, 0);
-  const int local_row0 = 64 * group + 16 * (warp & 3);  // the warp's first row in the tile
-  const QueryTile tile = DecodeQueryTile(p, kM);
-  const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, tile.r);
-  const Mask mask = MakeMask(p, tile.b);
-  const bool segments = kMaskable && mask.q_seg != nullptr;
-  const int H = static_cast<int>(p.head_dim);
-  const int m0 = tile.m_block * kM;
-  const int m_last = min(m0 + kM, mask.q_len) - 1;
+  const int lane = threadIdx.x & 31;
+  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable>(p);
+  const HeadOffsets& off = rows.off;
+  const Mask& mask = rows.mask;
+  const int m0 = rows.m0, n_begin = rows.walk.begin, n_end = rows.walk.end;
 
   const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
-
-  // Tiles are skipped per warpgroup (its 64 rows); masking is decided per warp (16 rows).
-  const int group_row0 = m0 + 64 * group;
-  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, group_row0,
-                                           min(group_row0 + 64, mask.q_len) - 1, kN);
-  const int n_begin = walk.begin, n_end = walk.end;
-  const int warp_row0 = m0 + local_row0;
-  const int warp_row1 = min(warp_row0 + 16, mask.q_len) - 1;
 
   float acc_o[1][kD / 8][4];
   float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
@@ -84,7 +70,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   // Descriptors: Q rows of this warpgroup; K and V of buffer 0 (buffer 1 is KVTile::kBytes
   // * 2 further, in 16-byte units).
-  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * group * 128, 16, 1024);
+  const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * rows.group * 128, 16, 1024);
   const uint64_t k_desc = sm90::SwizzledDescriptor(skv, 16, 1024);
   const uint64_t v_desc =
       sm90::SwizzledDescriptor(skv + KVTile::kBytes, KVTile::kBlockBytes, 1024);
@@ -99,14 +85,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int row0 = nb * kN;
     sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(skv + 2 * buf * KVTile::kBytes,
                                                   k + row0 * off.kv_ld, off.kv_ld,
-                                                  mask.kv_len - row0, H);
-    if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+                                                  mask.kv_len - row0, rows.dim);
+    if (rows.segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
   };
   auto load_v = [&](int nb, int buf) {
     const int row0 = nb * kN;
     sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(skv + (2 * buf + 1) * KVTile::kBytes,
                                                   v + row0 * off.kv_ld, off.kv_ld,
-                                                  mask.kv_len - row0, H);
+                                                  mask.kv_len - row0, rows.dim);
   };
   // Waits for the copy group of iteration nb (K_nb, V_{nb-1}) and issues the next one.
   auto next_tiles = [&](int nb) {
@@ -126,24 +112,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::Commit();
   };
   // Tile nb's softmax. Tiles a warpgroup's rows see nothing of are not skipped but masked
-  // whole: a skip would put a branch around the pipelined MMAs, and ptxas serializes
-  // wgmma in divergent paths. (Whole CTAs still skip them: TileWalk's begin and end.)
+  // whole (DecideMasking finds them not fully visible, or of disjoint segments): a skip
+  // would put a branch around the pipelined MMAs, and ptxas serializes wgmma in divergent
+  // paths. (Whole CTAs still skip them: TileWalk's begin and end.)
   float correction[1][2];
   auto softmax = [&](float (&acc_s)[1][kN / 8][4], int nb) {
     const int n0 = nb * kN;
-    TileMasking tm = DecideMasking<kMaskable>(mask, segments, warp_row0, warp_row1, n0,
-                                              n0 + kN - 1, sq_seg + local_row0, 16,
-                                              skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
-    if (kMaskable && walk.WarpSkips(n0, kN)) tm.masked = true;
-    ToLogits<false, kN, kSoftcap>(acc_s[0], ls, mask, tm.masked, warp_row0, n0, tm.RowSeg(0),
-                                  tm.col_seg, lane);
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, rows.segments, rows.warp_row0, rows.warp_row1, n0, n0 + kN - 1,
+        sq_seg + rows.local_row0, 16, skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
+    ToLogits<false, kN, kSoftcap>(acc_s[0], ls, mask, tm.masked, rows.warp_row0, n0,
+                                  tm.RowSeg(0), tm.col_seg, lane);
     OnlineSoftmax<kN>(acc_s[0], row_max[0], row_sum[0], correction[0], ls.fold);
   };
   uint32_t p_frags[kN / 16][1][4];  // P of the previous tile, pending its product with V
 
   if (n_begin < n_end) {
-    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
-    if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, rows.dim);
+    if (rows.segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_k(n_begin, 0);
     CpAsyncCommit();
     {
@@ -184,19 +170,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
   StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum, ls.fold,
-                            local_row0, m0, mask.q_len, H, lane);
+                            rows.local_row0, m0, mask.q_len, rows.dim, lane);
 #endif
-}
-
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  auto kernel = AttentionFwdSm90Kernel<T, Tr, kMaskable, kSoftcap>;
-  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-  dim3 grid;
-  JAXGPU_RETURN_IF_CUDA_ERROR(
-      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
-  return cudaGetLastError();
 }
 
 }  // namespace
@@ -227,19 +202,11 @@ bool AttentionSm90Applies(const AttentionParams& p) {
 
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (!AttentionSm90Applies(p)) return cudaErrorNotSupported;
-  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
-  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
-    auto run = [&](auto traits) {
-      using Tr = decltype(traits);
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, Tr, kMaskable, kSoftcap>(p, stream);
-        });
-      });
-    };
-    return PaddedHeadDim(p.head_dim) == 64 ? run(Sm90FwdTraits<64>{}) : run(Sm90FwdTraits<128>{});
+  return DispatchSm90<Sm90FwdTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
+    using Tr = decltype(tr);
+    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
+    return LaunchOverQueryTiles<Tr>(AttentionFwdSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>,
+                                    p, stream);
   });
 }
 

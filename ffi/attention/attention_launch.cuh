@@ -8,9 +8,11 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
+#include "attention/attention_tile.cuh"
 #include "common/cuda_utils.cuh"
 
 #define JAXGPU_RETURN_IF_CUDA_ERROR(expr)      \
@@ -52,6 +54,37 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
   if (n > INT32_MAX) return cudaErrorInvalidConfiguration;
   *grid = dim3(static_cast<unsigned>(n));
   return cudaSuccess;
+}
+
+// Launches a kernel taking (p, LogitScale) with Tr's threads and shared memory over a
+// FlatGrid of (query head, query tile of Tr::kBlockM): the forward and dQ kernels.
+template <typename Tr, typename Kernel>
+cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+  dim3 grid;
+  JAXGPU_RETURN_IF_CUDA_ERROR(
+      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
+  return cudaGetLastError();
+}
+
+// The Hopper kernels' compile-time switches: launch(T{}, Tr{}, maskable, softcap) with the
+// element type, Traits<64> or Traits<128> by the padded head dim, and the two kernel
+// switches as std::bool_constant (the mask decided on Tr's key tile).
+template <template <int> class Traits, typename Launch>
+cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    auto run = [&](auto traits) {
+      using Tr = decltype(traits);
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return launch(T{}, Tr{}, std::bool_constant<kMaskable>{},
+                        std::bool_constant<kSoftcap>{});
+        });
+      });
+    };
+    return PaddedHeadDim(p.head_dim) == 64 ? run(Traits<64>{}) : run(Traits<128>{});
+  });
 }
 
 }  // namespace jaxgpu::cuda::attention

@@ -110,14 +110,14 @@ __device__ __forceinline__ void LoadBKn(uint32_t (&b)[4], const T* tile, int k0,
   Ldmatrix4Trans(b, SmemAddress(tile + row * SmemTile<kDim>::kStride + col));
 }
 
-// Asynchronous copy of `rows` rows of a global (rows, dim) matrix (row stride `ld`
-// elements) into a padded smem tile of kRows x kDim. Rows at or past `valid_rows`, and
-// chunks at or past `dim` (dim a multiple of 8), are zero-filled: tails cost no branches
-// in the math, and zeros contribute nothing to a product.
-template <int kRows, int kDim, int kThreads, typename T>
-__device__ __forceinline__ void LoadTileAsync(T* tile, const T* gmem, int64_t ld, int valid_rows,
-                                              int dim) {
-  constexpr int kChunks = SmemTile<kDim>::kChunks;
+// The copy loop of every tile load: rows [0, kRows) of a global (rows, dim) matrix (row
+// stride `ld` elements), 16-byte chunk `chunk` of row `row` to the shared-memory address
+// smem_address(row, chunk), one cp.async each. Rows at or past `valid_rows`, and chunks at
+// or past `dim` (dim a multiple of 8), are zero-filled: tails cost no branches in the math,
+// and zeros contribute nothing to a product.
+template <int kRows, int kChunks, int kThreads, typename T, typename SmemAddressOf>
+__device__ __forceinline__ void CopyRowsAsync(const T* gmem, int64_t ld, int valid_rows, int dim,
+                                              SmemAddressOf smem_address) {
   constexpr int kTotal = kRows * kChunks;
   static_assert(kTotal % kThreads == 0, "every thread copies the same number of chunks");
   const int dim_chunks = dim >> 3;
@@ -126,15 +126,25 @@ __device__ __forceinline__ void LoadTileAsync(T* tile, const T* gmem, int64_t ld
     const int i = it * kThreads + threadIdx.x;
     const int row = i / kChunks;
     const int chunk = i - row * kChunks;
-    T* dst = tile + row * SmemTile<kDim>::kStride + chunk * 8;
+    const unsigned addr = smem_address(row, chunk);
     const bool ok = row < valid_rows && chunk < dim_chunks;
     const T* src = ok ? gmem + row * ld + chunk * 8 : gmem;
-    const unsigned addr = SmemAddress(dst);
     const int bytes = ok ? 16 : 0;
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
                  "r"(bytes)
                  : "memory");
   }
+}
+
+// Asynchronous copy of a global (rows, dim) matrix into a padded smem tile of kRows x kDim
+// (CopyRowsAsync's tails).
+template <int kRows, int kDim, int kThreads, typename T>
+__device__ __forceinline__ void LoadTileAsync(T* tile, const T* gmem, int64_t ld, int valid_rows,
+                                              int dim) {
+  CopyRowsAsync<kRows, SmemTile<kDim>::kChunks, kThreads>(
+      gmem, ld, valid_rows, dim, [&](int row, int chunk) {
+        return SmemAddress(tile + row * SmemTile<kDim>::kStride + chunk * 8);
+      });
 }
 
 // Copies src[first + i] for i in [0, n) (4-byte words: segment ids, per-query statistics)

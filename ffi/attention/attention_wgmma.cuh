@@ -48,28 +48,20 @@ struct SwizzledTile {
   }
 };
 
-// Asynchronous copy of rows [0, kRows) of a global (rows, dim) matrix (row stride ld
-// elements) into a SwizzledTile; rows at or past valid_rows and chunks at or past dim are
-// zero-filled, as in LoadTileAsync.
+// The dynamic shared memory rounded up to the swizzle's 1024-byte period (kernels allocate
+// 1024 bytes more).
+__device__ __forceinline__ unsigned char* SwizzleAligned(unsigned char* raw) {
+  return raw + ((1024 - (SmemAddress(raw) & 1023)) & 1023);
+}
+
+// Asynchronous copy of a global (rows, dim) matrix into a SwizzledTile (CopyRowsAsync's
+// tails).
 template <int kRows, int kDim, int kThreads, typename T>
 __device__ __forceinline__ void LoadSwizzledAsync(unsigned char* tile, const T* gmem, int64_t ld,
                                                   int valid_rows, int dim) {
-  constexpr int kChunks = kDim / 8;
-  constexpr int kTotal = kRows * kChunks;
-  static_assert(kTotal % kThreads == 0, "every thread copies the same number of chunks");
-  const int dim_chunks = dim >> 3;
-#pragma unroll
-  for (int it = 0; it < kTotal / kThreads; ++it) {
-    const int i = it * kThreads + threadIdx.x;
-    const int row = i / kChunks;
-    const int chunk = i - row * kChunks;
-    const bool ok = row < valid_rows && chunk < dim_chunks;
-    const T* src = ok ? gmem + row * ld + chunk * 8 : gmem;
-    const unsigned addr = SmemAddress(tile + SwizzledTile<kRows, kDim>::ChunkOffset(row, chunk));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-                 "r"(ok ? 16 : 0)
-                 : "memory");
-  }
+  CopyRowsAsync<kRows, kDim / 8, kThreads>(gmem, ld, valid_rows, dim, [&](int row, int chunk) {
+    return SmemAddress(tile + SwizzledTile<kRows, kDim>::ChunkOffset(row, chunk));
+  });
 }
 
 // Matrix descriptor of a 128-byte-swizzled operand (PTX ISA, "matrix descriptor format"):
@@ -138,74 +130,48 @@ __device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
   return all != 0;
 }
 
+// The operands of an m64nNk16 MMA with float32 accumulators, per N: the N / 2 accumulator
+// registers of a thread (operands from %0; n-tile j is d[j][0..3]) and their constraints,
+// then the operand numbers after them (SS: a_desc, b_desc; RS: a[0..3], b_desc), then the
+// `accumulate` flag's.
 #define JAXGPU_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 
-#define JAXGPU_WGMMA_SS_N64(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-      "%32, %33, p, 1, 1, 0, 0;\n}\n" \
-      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
-        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
-        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
-        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7) \
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
+#define JAXGPU_WGMMA_REGS_N64 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
+#define JAXGPU_WGMMA_OUT_N64(d)                                                 \
+  JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), JAXGPU_WGMMA_D4(d, 2),          \
+      JAXGPU_WGMMA_D4(d, 3), JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5),      \
+      JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7)
+#define JAXGPU_WGMMA_SS_IN_N64 "%32, %33"
+#define JAXGPU_WGMMA_SS_FLAG_N64 "%34"
+#define JAXGPU_WGMMA_RS_IN_N64 "{%32, %33, %34, %35}, %36"
+#define JAXGPU_WGMMA_RS_FLAG_N64 "%37"
 
-#define JAXGPU_WGMMA_RS_N64(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, " \
-      "{%32, %33, %34, %35}, %36, p, 1, 1, 1;\n}\n" \
-      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
-        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
-        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
-        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), \
-        "r"(static_cast<int>(accumulate)))
+#define JAXGPU_WGMMA_REGS_N128 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+  " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
+  " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
+  " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
+#define JAXGPU_WGMMA_OUT_N128(d)                                                \
+  JAXGPU_WGMMA_OUT_N64(d), JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9),        \
+      JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), JAXGPU_WGMMA_D4(d, 12),   \
+      JAXGPU_WGMMA_D4(d, 13), JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15)
+#define JAXGPU_WGMMA_SS_IN_N128 "%64, %65"
+#define JAXGPU_WGMMA_SS_FLAG_N128 "%66"
+#define JAXGPU_WGMMA_RS_IN_N128 "{%64, %65, %66, %67}, %68"
+#define JAXGPU_WGMMA_RS_FLAG_N128 "%69"
 
-#define JAXGPU_WGMMA_SS_N128(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "%64, %65, p, 1, 1, 0, 0;\n}\n" \
-      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
-        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
-        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
-        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7), \
-        JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9), \
-        JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), \
-        JAXGPU_WGMMA_D4(d, 12), JAXGPU_WGMMA_D4(d, 13), \
-        JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15) \
-      : "l"(desc_a), "l"(desc_b), "r"(static_cast<int>(accumulate)))
-
-#define JAXGPU_WGMMA_RS_N128(TYPE) \
-  asm volatile( \
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n" \
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPE "." TYPE " " \
-      "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
-      " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
-      " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
-      " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}, " \
-      "{%64, %65, %66, %67}, %68, p, 1, 1, 1;\n}\n" \
-      : JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), \
-        JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
-        JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), \
-        JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7), \
-        JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9), \
-        JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), \
-        JAXGPU_WGMMA_D4(d, 12), JAXGPU_WGMMA_D4(d, 13), \
-        JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15) \
-      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), \
-        "r"(static_cast<int>(accumulate)))
-
+// d (+)= A B with `accumulate` as the scale-d predicate. FORM SS: A and B by descriptor,
+// both K-major (imm-trans-a, -b = "0, 0"); RS: A from registers, B by descriptor,
+// MN-major (imm-trans-b = "1"). __VA_ARGS__: the inputs before `accumulate`.
+#define JAXGPU_WGMMA_ASM(N, TYPE, FORM, TRANS, ...)                                         \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " JAXGPU_WGMMA_##FORM##_FLAG_N##N ", 0;\n"  \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "            \
+               JAXGPU_WGMMA_REGS_N##N ", " JAXGPU_WGMMA_##FORM##_IN_N##N ", p, 1, 1, " TRANS  \
+               ";\n}\n"                                                                      \
+               : JAXGPU_WGMMA_OUT_N##N(d)                                                     \
+               : __VA_ARGS__, "r"(static_cast<int>(accumulate)))
 
 // d (+)= A B for a warpgroup's 64 x N tile (N = 64 or 128), k = 16. accumulate = false
 // overwrites d. SS: A and B K-major in shared memory (descriptors). RS: A in registers (the
@@ -214,8 +180,10 @@ template <typename T, int N>
 struct Wgmma;
 
 #if JAXGPU_WGMMA_DEVICE
-#define JAXGPU_WGMMA_SS(N, TYPE) JAXGPU_WGMMA_SS_N##N(TYPE)
-#define JAXGPU_WGMMA_RS(N, TYPE) JAXGPU_WGMMA_RS_N##N(TYPE)
+#define JAXGPU_WGMMA_SS(N, TYPE) \
+  JAXGPU_WGMMA_ASM(N, TYPE, SS, "0, 0", "l"(desc_a), "l"(desc_b))
+#define JAXGPU_WGMMA_RS(N, TYPE) \
+  JAXGPU_WGMMA_ASM(N, TYPE, RS, "1", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
 #else
 #define JAXGPU_WGMMA_SS(N, TYPE) (void)0
 #define JAXGPU_WGMMA_RS(N, TYPE) (void)0

@@ -1,0 +1,49 @@
+// The query rows of a Hopper (wgmma) attention CTA, which both Hopper kernels
+// (attention_fwd_sm90.cu, attention_bwd_sm90.cu's dQ) start from: kBlockM queries of one
+// query head in warpgroups of 64 rows, 16 rows a warp. Key tiles are skipped per warpgroup
+// (wgmma runs on all 4 warps together) and masked per warp. No XLA types.
+#pragma once
+
+#include "attention/attention_mask.cuh"
+#include "attention/attention_params.h"
+#include "attention/attention_tile.cuh"
+
+namespace jaxgpu::cuda::attention::sm90 {
+
+struct QueryRows {
+  int group;       // the warpgroup: rows 64 * group.. of the CTA's tile
+  int local_row0;  // the warp's first row in the CTA's tile
+  QueryTile tile;
+  HeadOffsets off;
+  Mask mask;
+  bool segments;              // segment ids to compare (kMaskable kernels only)
+  int dim;                    // H
+  int m0;                     // the tile's first query
+  int warp_row0, warp_row1;   // the warp's first and last query (clamped to T)
+  TileWalk walk;              // kBlockN-key tiles: the CTA's, and the warpgroup's span
+};
+
+template <int kBlockM, int kBlockN, bool kMaskable>
+__device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
+  QueryRows r;
+  const int warp = threadIdx.x >> 5;
+  // Read through a shuffle so that ptxas knows the warpgroup is warp-uniform: wgmma under a
+  // branch it thinks divergent is serialized (C7518).
+  r.group = __shfl_sync(0xffffffffu, warp >> 2, 0);
+  r.local_row0 = 64 * r.group + 16 * (warp & 3);
+  r.tile = DecodeQueryTile(p, kBlockM);
+  r.off = MakeHeadOffsets(p, r.tile.b, r.tile.kh, r.tile.r);
+  r.mask = MakeMask(p, r.tile.b);
+  r.segments = kMaskable && r.mask.q_seg != nullptr;
+  r.dim = static_cast<int>(p.head_dim);
+  r.m0 = r.tile.m_block * kBlockM;
+  const int m_last = min(r.m0 + kBlockM, r.mask.q_len) - 1;
+  const int group_row0 = r.m0 + 64 * r.group;
+  r.walk = MakeTileWalk<true>(r.mask, r.m0, m_last, group_row0,
+                              min(group_row0 + 64, r.mask.q_len) - 1, kBlockN);
+  r.warp_row0 = r.m0 + r.local_row0;
+  r.warp_row1 = min(r.warp_row0 + 16, r.mask.q_len) - 1;
+  return r;
+}
+
+}  // namespace jaxgpu::cuda::attention::sm90
