@@ -408,6 +408,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     }
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {
+    if (AttentionSm90Applies(p)) return LaunchAttentionDkvSm90(p, stream);  // wgmma (sm_90a)
     auto dkv_kernel = DkvKernel<T, Dkv, kMaskable, kSoftcap>;
     JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dkv_kernel, Dkv::kSmemBytes));
     dim3 grid;

@@ -1,0 +1,233 @@
+// Attention backward's dK and dV on Hopper's warpgroup MMAs (wgmma, sm_90a): the second
+// main loop of attention_bwd.cu's DkvKernel (same products, same determinism: each dK / dV
+// element is summed by one thread, over the GQA group's query heads and the query tiles in
+// order), chosen at launch where AttentionSm90Applies.
+//
+// One CTA owns 128 keys of one kv head: two warpgroups of 64 keys. K and V are loaded once;
+// the CTA then walks (query head of the group, 64-query tile) steps, whose Q, dO, lse and
+// delta are copied kBuffers - 1 steps ahead. Per step a warpgroup computes, with keys as
+// the MMA's rows,
+//   S^T = K Q^T and dP^T = V dO^T   (both operands read from shared memory, K-major),
+//   P^T and dS^T in registers       (attention_softmax.cuh's ProbsAndGrads, per column),
+//   dV += P^T dO and dK += dS^T Q   (P^T, dS^T from registers; dO, Q as MN-major operands),
+// so each thread holds its 16 keys' rows of both dV and dK (H floats) across the loop.
+#include <cuda_runtime.h>
+
+#include "attention/attention_cuda.h"
+#include "attention/attention_launch.cuh"
+#include "attention/attention_softmax.cuh"
+#include "attention/attention_tile.cuh"
+#include "attention/attention_wgmma.cuh"
+
+namespace jaxgpu::cuda {
+namespace attention {
+namespace {
+
+template <int kHeadDim_>
+struct Sm90DkvTraits {
+  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kBlockN = 64 * kWarpGroups;  // keys per CTA
+  static constexpr int kBlockM = 64;                // queries per step
+  static constexpr int kThreads = 128 * kWarpGroups;
+  // Q/dO buffers: the copies of the next kBuffers - 1 steps run under this step's products.
+  static constexpr int kBuffers = 3;
+  using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
+  using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
+  // K, V, then kBuffers x (Q, dO), then 4-byte words: the keys' segment ids, and per buffer
+  // the step's query segment ids, lse and delta; plus the 1024-byte swizzle alignment.
+  static constexpr int kQOffset = 2 * KVTile::kBytes;
+  static constexpr int kWordOffset = kQOffset + 2 * kBuffers * QTile::kBytes;
+  static constexpr int kSmemBytes = kWordOffset + (kBlockN + 3 * kBuffers * kBlockM) * 4 + 1024;
+};
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    DkvSm90Kernel(AttentionParams p, LogitScale ls) {
+#if JAXGPU_WGMMA_DEVICE
+  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kBuffers;
+  using KVTile = typename Tr::KVTile;
+  using QTile = typename Tr::QTile;
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = sm90::SwizzleAligned(smem_raw);
+  unsigned char* sk = smem;
+  unsigned char* sv = smem + KVTile::kBytes;
+  unsigned char* sqdo = smem + Tr::kQOffset;  // [buffer][Q, dO]
+  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem + Tr::kWordOffset);
+  // Per buffer: the step's query segment ids, lse and delta (kM words each).
+  auto sq_seg = [&](int buf) { return skv_seg + kN + buf * 3 * kM; };
+  auto slse = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + kM); };
+  auto sdelta = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + 2 * kM); };
+
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  const int t = lane & 3;
+  // Read through a shuffle so that ptxas knows the warpgroup is warp-uniform (C7518).
+  const int group = __shfl_sync(0xffffffffu, warp >> 2, 0);
+  const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
+
+  const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
+  const int64_t kv_head = blockIdx.x / n_blocks;  // b * K + kh
+  const int n_block = static_cast<int>(blockIdx.x % n_blocks);
+  const int64_t kh = kv_head % p.kv_heads;
+  const int64_t b = kv_head / p.kv_heads;
+  const Mask mask = MakeMask(p, b);
+  const bool segments = kMaskable && mask.q_seg != nullptr;
+  const int H = static_cast<int>(p.head_dim);
+  const int n0 = n_block * kN;
+  const int n_last = min(n0 + kN, mask.kv_len) - 1;
+  const int group_key0 = n0 + 64 * group;
+  const int warp_key0 = n0 + local_key0;
+  const HeadOffsets off0 = MakeHeadOffsets(p, b, kh, 0);
+  const T* q = static_cast<const T*>(p.q);
+  const T* d_o = static_cast<const T*>(p.d_o);
+
+  float acc_dv[1][kD / 8][4], acc_dk[1][kD / 8][4];
+  Zero(acc_dv);
+  Zero(acc_dk);
+
+  // The query tiles the CTA walks, and the span this warpgroup's keys see (its skips are
+  // whole-warpgroup decisions: wgmma runs on all 4 warps together).
+  const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, group_key0,
+                                            min(group_key0 + 64, mask.kv_len) - 1, kM);
+  const int m_begin = walk.begin, m_count = walk.end - walk.begin;
+  const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
+
+  // Descriptors: this warpgroup's rows of K and V (K-major A operands); Q and dO of buffer
+  // 0 as K-major B operands of S^T and dP^T, and as MN-major B operands of dK and dV.
+  const uint64_t k_desc = sm90::SwizzledDescriptor(sk + 64 * group * 128, 16, 1024);
+  const uint64_t v_desc = sm90::SwizzledDescriptor(sv + 64 * group * 128, 16, 1024);
+  const uint64_t q_desc = sm90::SwizzledDescriptor(sqdo, 16, 1024);
+  const uint64_t do_desc = sm90::SwizzledDescriptor(sqdo + QTile::kBytes, 16, 1024);
+  const uint64_t q_desc_mn = sm90::SwizzledDescriptor(sqdo, QTile::kBlockBytes, 1024);
+  const uint64_t do_desc_mn =
+      sm90::SwizzledDescriptor(sqdo + QTile::kBytes, QTile::kBlockBytes, 1024);
+  constexpr uint64_t kBufferStep = 2 * QTile::kBytes / 16;
+
+  // Steps walk (query head r of the group, query tile) pairs, tiles fastest, on counters.
+  struct StepCursor {
+    int r = 0, tile = 0, buf = 0;
+    __device__ void Next(int tiles) {
+      if (++tile == tiles) tile = 0, ++r;
+      if (++buf == kBuf) buf = 0;
+    }
+  };
+  auto load_step = [&](const StepCursor& c) {
+    const int64_t head = off0.q + c.r * p.head_dim;
+    const int64_t stats = off0.stats + c.r * p.q_len;
+    const int m0 = (m_begin + c.tile) * kM;
+    unsigned char* dst = sqdo + 2 * c.buf * QTile::kBytes;
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst, q + head + m0 * off0.q_ld, off0.q_ld,
+                                                  mask.q_len - m0, H);
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst + QTile::kBytes,
+                                                  d_o + head + m0 * off0.q_ld, off0.q_ld,
+                                                  mask.q_len - m0, H);
+    if (segments) LoadRowWordsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
+    LoadRowWordsAsync(slse(c.buf), p.lse + stats, m0, mask.q_len, kM);
+    LoadRowWordsAsync(sdelta(c.buf), p.delta + stats, m0, mask.q_len, kM);
+  };
+  // One copy group per step (empty past the last step), so that "step i's copies are done"
+  // is always CpAsyncWait<kBuf - 2>.
+  StepCursor next_load;
+  int loaded = 0;
+  auto load_next = [&] {
+    if (loaded < steps) {
+      load_step(next_load);
+      next_load.Next(m_count);
+      ++loaded;
+    }
+    CpAsyncCommit();
+  };
+  if (steps > 0) {
+    const T* k = static_cast<const T*>(p.k) + off0.kv + n0 * off0.kv_ld;
+    const T* v = static_cast<const T*>(p.v) + off0.kv + n0 * off0.kv_ld;
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(sk, k, off0.kv_ld, mask.kv_len - n0, H);
+    sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(sv, v, off0.kv_ld, mask.kv_len - n0, H);
+    if (segments) LoadRowWordsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
+    for (int i = 0; i < kBuf - 1; ++i) load_next();  // K, V go with step 0's group
+  }
+  StepCursor cur;
+  for (int i = 0; i < steps; ++i) {
+    CpAsyncWait<kBuf - 2>();
+    sm90::FenceSharedForAsyncProxy();
+    // Step i's tiles in smem; every warpgroup is done with step i - 1's buffer, which the
+    // copies of step i + kBuf - 1 now overwrite.
+    __syncthreads();
+    load_next();
+    const int m0 = (m_begin + cur.tile) * kM;
+    const int buf = cur.buf;
+    cur.Next(m_count);
+    if (walk.WarpSkips(m0, kM)) continue;  // the same for the whole warpgroup
+    const TileMasking tm = DecideMasking<kMaskable>(
+        mask, segments, m0, min(m0 + kM, mask.q_len) - 1, warp_key0, warp_key0 + 15,
+        skv_seg + local_key0, 16, sq_seg(buf), kM, lane);
+    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
+
+    float s[1][kM / 8][4], dp[1][kM / 8][4];
+    sm90::Fence();
+    sm90::ProductSS<T, kM, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
+        s[0], k_desc, q_desc + buf * kBufferStep, false);
+    sm90::ProductSS<T, kM, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
+        dp[0], v_desc, do_desc + buf * kBufferStep, false);
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(s[0]);
+    sm90::KeepOrder(dp[0]);
+
+    ToLogits<true, kM, kSoftcap>(s[0], ls, mask, tm.masked, warp_key0, m0, tm.RowSeg(0),
+                                 tm.col_seg, lane);
+    // Column (query) statistics of columns 8 j + 2 t + c; queries past T get lse = +inf
+    // (p = 0; their Q and dO rows are zeros anyway).
+#pragma unroll
+    for (int j = 0; j < kM / 8; ++j) {
+      const int col = 8 * j + 2 * t;
+      const float2 lse = *reinterpret_cast<const float2*>(slse(buf) + col);
+      const float2 delta = *reinterpret_cast<const float2*>(sdelta(buf) + col);
+      const float lse2[2] = {m0 + col < mask.q_len ? lse.x * kLog2e : INFINITY,
+                             m0 + col + 1 < mask.q_len ? lse.y * kLog2e : INFINITY};
+      const float dl[2] = {delta.x, delta.y};
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e & 1], dl[e & 1], ls);
+      }
+    }
+    uint32_t p_frags[kM / 16][1][4], ds_frags[kM / 16][1][4];
+    PackProbs<T, kM, 1>(p_frags, s);
+    PackProbs<T, kM, 1>(ds_frags, dp);
+    sm90::Fence();
+    sm90::ProductRS<T, kD, kM>(acc_dv[0], p_frags, do_desc_mn + buf * kBufferStep);
+    sm90::ProductRS<T, kD, kM>(acc_dk[0], ds_frags, q_desc_mn + buf * kBufferStep);
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(acc_dv[0]);
+    sm90::KeepOrder(acc_dk[0]);
+  }
+  CpAsyncWait<0>();  // no copy outlives the CTA
+  // dK times the softmax scale: dS was taken with respect to the scaled logits.
+  const int64_t out = off0.kv + n0 * off0.kv_ld;
+  StoreAccumulator<T, kD>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f, local_key0,
+                          mask.kv_len - n0, 0, H, lane);
+  StoreAccumulator<T, kD>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale, local_key0,
+                          mask.kv_len - n0, 0, H, lane);
+#endif
+}
+
+}  // namespace
+}  // namespace attention
+
+// Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dk, dv.
+cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream) {
+  using namespace attention;
+  return DispatchSm90<Sm90DkvTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
+    using Tr = decltype(tr);
+    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
+    auto kernel = DkvSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>;
+    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+    dim3 grid;
+    JAXGPU_RETURN_IF_CUDA_ERROR(
+        FlatGrid(p.batch * p.kv_heads, CeilDiv(p.kv_len, Tr::kBlockN), &grid));
+    kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
+    return cudaGetLastError();
+  });
+}
+
+}  // namespace jaxgpu::cuda
