@@ -109,7 +109,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = row0 + mi * 16 + g + 8 * h;
-      lse2[mi][h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
+      lse2[mi][h] = RowLse2(row < mask.q_len ? p.lse[off.stats + row] : 0.f, row < mask.q_len);
       delta[mi][h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
     }
   }
@@ -343,7 +343,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
         float lse2[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          lse2[c] = column_ok(j, c) ? slse(buf)[8 * j + 2 * t + c] * kLog2e : INFINITY;
+          lse2[c] = RowLse2(slse(buf)[8 * j + 2 * t + c], column_ok(j, c));
         }
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {

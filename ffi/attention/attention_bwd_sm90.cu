@@ -67,7 +67,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = rows.warp_row0 + g + 8 * h;
-    lse2[h] = row < mask.q_len ? p.lse[off.stats + row] * kLog2e : INFINITY;
+    lse2[h] = RowLse2(row < mask.q_len ? p.lse[off.stats + row] : 0.f, row < mask.q_len);
     delta[h] = row < mask.q_len ? p.delta[off.stats + row] : 0.f;
   }
   float acc_dq[1][kD / 8][4];

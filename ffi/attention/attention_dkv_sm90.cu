@@ -182,8 +182,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       const int col = 8 * j + 2 * t;
       const float2 lse = *reinterpret_cast<const float2*>(slse(buf) + col);
       const float2 delta = *reinterpret_cast<const float2*>(sdelta(buf) + col);
-      const float lse2[2] = {m0 + col < mask.q_len ? lse.x * kLog2e : INFINITY,
-                             m0 + col + 1 < mask.q_len ? lse.y * kLog2e : INFINITY};
+      const float lse2[2] = {RowLse2(lse.x, m0 + col < mask.q_len),
+                             RowLse2(lse.y, m0 + col + 1 < mask.q_len)};
       const float dl[2] = {delta.x, delta.y};
 #pragma unroll
       for (int e = 0; e < 4; ++e) {

@@ -101,17 +101,28 @@ __device__ __forceinline__ void StoreOutputRows(T* o, float* lse, int64_t ld,
 
 // Probabilities and score gradients of a score tile. x holds ToLogits's output (-inf where
 // masked), dp the products dO V^T; lse2 / delta are the element's query statistics.
-// p = exp2(x fold - lse2) (0 where masked, also on rows with nothing visible, whose lse is
-// -inf); ds = GradWeight * (dp - delta), where GradWeight is p times the softcap's
+// p = exp2(x fold - lse2) (0 where masked, also on rows with nothing visible: RowLse2);
+// ds = GradWeight * (dp - delta), where GradWeight is p times the softcap's
 // derivative 1 - tanh^2 (p without a softcap); the kernels apply the scale at the end.
 __device__ __forceinline__ float ProbOfLogit(float x, float lse2, const LogitScale& ls) {
-  return x == -INFINITY ? 0.f : FastExp2(fmaf(x, ls.fold, -lse2));
+  return FastExp2(fmaf(x, ls.fold, -lse2));  // lse2 = +inf or x = -inf: exp2(-inf) = 0
+}
+
+// The log2-domain LSE of a query row for ProbOfLogit: +inf for rows past the sequence
+// (`valid` false) and for rows that saw nothing (lse = -inf), so that every probability of
+// such a row is exp2(-inf) = 0 with no per-element test for masked (-inf) logits: x fold -
+// lse2 is never -inf - (-inf). The test cost two instructions of the ~7 per score in the
+// backward's elementwise phase.
+__device__ __forceinline__ float RowLse2(float lse, bool valid) {
+  return valid && lse != -INFINITY ? lse * kLog2e : INFINITY;
 }
 
 template <bool kSoftcap>
 __device__ __forceinline__ float GradWeight(float x, float pr) {
   if (!kSoftcap) return pr;
-  return x == -INFINITY ? 0.f : pr * (1.f - x * x);  // x = tanh(score * scale / cap)
+  // x = tanh(score * scale / cap), so 1 - x^2 >= 0; the clamp takes a masked x = -inf to
+  // 0 (not 0 * -inf = NaN) in one instruction instead of a test and a select.
+  return pr * fmaxf(1.f - x * x, 0.f);
 }
 
 // In place: x becomes p, dp becomes ds.
