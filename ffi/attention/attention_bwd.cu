@@ -9,7 +9,8 @@
 //   3. DkvKernel     per (key tile, kv head): walks every query head of its GQA group and
 //                    the visible query tiles, recomputes P^T and dP^T with keys as rows,
 //                    dV += P^T dO, dK += dS^T Q (4 products), in warp pairs: one warp
-//                    of a pair computes P and dV, the other dS and dK.
+//                    of a pair computes P and dV, the other dS and dK. (On Hopper
+//                    DkvSm90Kernel in attention_dkv_sm90.cu, on wgmma.)
 // Splitting dQ from dK/dV costs two extra products (7 instead of FlashAttention-2's 5) and
 // buys determinism without a float32 dQ accumulator in memory or atomics; the GQA sum over
 // a kv head's query heads happens in registers.

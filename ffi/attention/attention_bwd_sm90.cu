@@ -1,7 +1,7 @@
 // Attention backward's dQ on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop
 // of attention_bwd.cu's DqKernel (same products, same determinism: each dQ element is
 // summed by one thread over the key tiles in order), chosen at launch where
-// AttentionSm90Applies. The dK/dV kernel and delta stay on attention_bwd.cu's kernels.
+// AttentionSm90Applies. dK/dV run in attention_dkv_sm90.cu, delta in attention_bwd.cu.
 //
 // One CTA owns 128 queries of one query head, two warpgroups of 64 rows. Per 64-key tile a
 // warpgroup computes S = Q K^T and dP = dO V^T (Q, dO, K, V all read by the tensor cores
