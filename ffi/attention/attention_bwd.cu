@@ -271,15 +271,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, key0, key1, kM);
   const int m_begin = walk.begin, m_count = walk.end - walk.begin;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
-  // Steps walk (query head r of the group, query tile) pairs, tiles fastest; counters, not
-  // a division per step (integer division was ~5% of the kernel's stall samples).
-  struct StepCursor {
-    int r = 0, tile = 0, buf = 0;
-    __device__ void Next(int tiles) {
-      if (++tile == tiles) tile = 0, ++r;
-      if (++buf == Tr::kBuffers) buf = 0;
-    }
-  };
+  using StepCursor = GroupStepCursor<Tr::kBuffers>;
   auto load_qdo = [&](const StepCursor& c) {
     const int64_t head = off0.q + c.r * p.head_dim;
     const int64_t stats = off0.stats + c.r * p.q_len;

@@ -103,14 +103,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::SwizzledDescriptor(sqdo + QTile::kBytes, QTile::kBlockBytes, 1024);
   constexpr uint64_t kBufferStep = 2 * QTile::kBytes / 16;
 
-  // Steps walk (query head r of the group, query tile) pairs, tiles fastest, on counters.
-  struct StepCursor {
-    int r = 0, tile = 0, buf = 0;
-    __device__ void Next(int tiles) {
-      if (++tile == tiles) tile = 0, ++r;
-      if (++buf == kBuf) buf = 0;
-    }
-  };
+  using StepCursor = GroupStepCursor<kBuf>;
   auto load_step = [&](const StepCursor& c) {
     const int64_t head = off0.q + c.r * p.head_dim;
     const int64_t stats = off0.stats + c.r * p.q_len;

@@ -84,6 +84,18 @@ __device__ __forceinline__ void Zero(float (&x)[A][B][C]) {
   }
 }
 
+// The dK/dV kernels' walk over (query head r of the GQA group, query tile) steps, tiles
+// fastest, and the Q/dO buffer of each step (round robin over kBuffers): counters, not a
+// division per step (integer division was ~5% of the mma.sync kernel's stall samples).
+template <int kBuffers>
+struct GroupStepCursor {
+  int r = 0, tile = 0, buf = 0;
+  __device__ __forceinline__ void Next(int tiles) {
+    if (++tile == tiles) tile = 0, ++r;
+    if (++buf == kBuffers) buf = 0;
+  }
+};
+
 // Double-buffered pairs of (kRows, kDim) smem tiles laid out [buffer][pair member]: K and V
 // (forward, dQ) or Q and dO (dK/dV). Tile `which` (0 or 1) of buffer `buf`:
 template <int kRows, int kDim, typename T>
