@@ -534,6 +534,8 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
         "inputs random and rotated past 3x L2.  GB/s = bytes that must move / time;",
         "% ceil = GB/s over the device-copy ceiling; vs anchor = anchor time / time (>1 is faster),",
         "the anchor measured in the same run.  Times marked * are within 1.5x of the dispatch floor.",
+        "What limits each kernel, with the profiles and rejected experiments behind the figures:",
+        "`benchmarks/TUNING.md` (one section per kernel and stop).",
         "",
     ]
     files = sorted(results_dir.glob("*.json")) if results_dir.exists() else []
