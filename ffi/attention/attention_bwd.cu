@@ -206,13 +206,13 @@ struct DkvTraits {
   // Q/dO buffers: step s + 1 loads while the probs warps work on step s and the dS warps
   // on step s - 1.
   static constexpr int kBuffers = 3;
-  // K, V, kBuffers buffers each of Q and dO; then 4-byte words: the keys' segment ids, and
-  // per buffer the step's query segment ids, lse and delta; then two step parities of each
-  // pair's exchange tile of P (2 row tiles x kBlockM / 8 n-tiles x 32 lanes x 4 floats).
+  // K, V, kBuffers buffers each of Q and dO; then the StepWords; then two step parities of
+  // each pair's exchange tile of P (2 row tiles x kBlockM / 8 n-tiles x 32 lanes x 4 floats).
   static constexpr int kWordOffset =
       (2 * kBlockN + 2 * kBuffers * kBlockM) * SmemTile<kHeadDim>::kStride * 2;
   static constexpr int kExchangeFloats = 2 * (kBlockM / 8) * 32 * 4;  // per pair and parity
-  static constexpr int kExchangeOffset = kWordOffset + (kBlockN + kBuffers * 3 * kBlockM) * 4;
+  using Words = StepWords<kBlockN, kBlockM>;
+  static constexpr int kExchangeOffset = kWordOffset + Words::Bytes(kBuffers);
   static constexpr int kSmemBytes = kExchangeOffset + 2 * kPairs * kExchangeFloats * 4;
   static_assert(kExchangeOffset % 16 == 0, "float4 exchange");
 };
@@ -229,11 +229,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
   T* sqdo = sv + kN * kStride;  // [buffer][Q, dO]
   auto sq = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 0); };
   auto sdo = [&](int buf) { return PairTile<kM, kHeadDim>(sqdo, buf, 1); };
-  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem_raw + Tr::kWordOffset);
-  // Per buffer: the step's query segment ids, lse and delta (kM words each).
-  auto sq_seg = [&](int buf) { return skv_seg + kN + buf * 3 * kM; };
-  auto slse = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + kM); };
-  auto sdelta = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + 2 * kM); };
+  const typename Tr::Words words{reinterpret_cast<int32_t*>(smem_raw + Tr::kWordOffset)};
+  int32_t* skv_seg = words.kv_seg;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = lane & 3;
@@ -278,9 +275,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     const int m0 = (m_begin + c.tile) * kM;
     LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, c.buf, q + head, d_o + head, off0.q_ld, m0,
                                               mask.q_len, H);
-    if (segments) LoadRowWordsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
-    LoadRowWordsAsync(slse(c.buf), p.lse + stats, m0, mask.q_len, kM);
-    LoadRowWordsAsync(sdelta(c.buf), p.delta + stats, m0, mask.q_len, kM);
+    words.LoadStep(c.buf, p, mask, segments, stats, m0);
   };
   StepCursor next_load;
   if (steps > 0) {
@@ -316,7 +311,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
     if (walk.WarpSkips(m0, kM)) continue;
     const TileMasking tm = DecideMasking<kMaskable>(
         mask, segments, m0, min(m0 + kM, mask.q_len) - 1, key0, key0 + Tr::kPairKeys - 1,
-        skv_seg + pair_row0, Tr::kPairKeys, sq_seg(buf), kM, lane);
+        skv_seg + pair_row0, Tr::kPairKeys, words.QSeg(buf), kM, lane);
     if (tm.skip) continue;
     float x[2][kM / 8][4];
     Zero(x);
@@ -336,7 +331,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
         float lse2[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          lse2[c] = RowLse2(slse(buf)[8 * j + 2 * t + c], column_ok(j, c));
+          lse2[c] = RowLse2(words.Lse(buf)[8 * j + 2 * t + c], column_ok(j, c));
         }
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
@@ -358,7 +353,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
         float delta[2];
 #pragma unroll
         for (int c = 0; c < 2; ++c) {
-          delta[c] = column_ok(j, c) ? sdelta(buf)[8 * j + 2 * t + c] : 0.f;
+          delta[c] = column_ok(j, c) ? words.Delta(buf)[8 * j + 2 * t + c] : 0.f;
         }
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
@@ -385,7 +380,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
 template <typename T, typename Dq, typename Dkv, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  const LogitScale ls = MakeLogitScale(p.scale, p.softcap);
+  const bool sm90 = AttentionSm90Applies(p);  // wgmma kernels (sm_90a) for dQ and dK/dV
   const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
   if (q_rows > 0) {
     const int64_t blocks = CeilDiv(q_rows * 32, 256);
@@ -393,22 +388,16 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
 
-    if (AttentionSm90Applies(p)) {
-      JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));  // wgmma (sm_90a)
+    if (sm90) {
+      JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));
     } else {
       JAXGPU_RETURN_IF_CUDA_ERROR(
           LaunchOverQueryTiles<Dq>(DqKernel<T, Dq, kMaskable, kSoftcap>, p, stream));
     }
   }
   if (p.batch * p.kv_len * p.kv_heads > 0) {
-    if (AttentionSm90Applies(p)) return LaunchAttentionDkvSm90(p, stream);  // wgmma (sm_90a)
-    auto dkv_kernel = DkvKernel<T, Dkv, kMaskable, kSoftcap>;
-    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(dkv_kernel, Dkv::kSmemBytes));
-    dim3 grid;
-    JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(p.batch * p.kv_heads,
-                                         CeilDiv(p.kv_len, Dkv::kBlockN) * Dkv::kSlices, &grid));
-    dkv_kernel<<<grid, Dkv::kThreads, Dkv::kSmemBytes, stream>>>(p, ls);
-    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
+    if (sm90) return LaunchAttentionDkvSm90(p, stream);
+    return LaunchOverKeyTiles<Dkv>(DkvKernel<T, Dkv, kMaskable, kSoftcap>, p, stream);
   }
   return cudaSuccess;
 }

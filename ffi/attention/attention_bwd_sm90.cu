@@ -21,23 +21,12 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-template <int kHeadDim_>
-struct Sm90DqTraits {
-  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
-  static constexpr int kWarpGroups = 2;
-  static constexpr int kBlockM = 64 * kWarpGroups;
-  // Keys per tile: 128 at H = 64 (bwd 216 -> 226 TFLOP/s on the H100 against 64-key
-  // tiles); 64 at H = 128, where 128 measured no faster (265 both) and the S and dP tiles
-  // (2 x 64 floats a thread) beside the 64 dQ accumulators make ptxas spill.
-  static constexpr int kBlockN = kHeadDim <= 64 ? 128 : 64;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
-  using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
-  // Q, dO, then 2 x (K, V), then the segment ids of the query tile and of 2 key tiles.
-  static constexpr int kKVOffset = 2 * QTile::kBytes;
-  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
-};
+// Q and dO before the K/V buffers. Keys per tile: 128 at H = 64 (bwd 216 -> 226 TFLOP/s on
+// the H100 against 64-key tiles); 64 at H = 128, where 128 measured no faster (265 both)
+// and the S and dP tiles (2 x 64 floats a thread) beside the 64 dQ accumulators make ptxas
+// spill.
+template <int kHeadDim>
+struct Sm90DqTraits : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : 64, 2> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -157,11 +146,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DqTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
-    using Tr = decltype(tr);
-    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
-    return LaunchOverQueryTiles<Tr>(DqSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>, p,
-                                    stream);
+  return DispatchSm90<Sm90DqTraits>(p, [&](auto config) {
+    using C = decltype(config);
+    return LaunchOverQueryTiles<typename C::Traits>(
+        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);
   });
 }
 

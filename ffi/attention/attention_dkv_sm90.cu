@@ -29,16 +29,17 @@ struct Sm90DkvTraits {
   static constexpr int kWarpGroups = 2;
   static constexpr int kBlockN = 64 * kWarpGroups;  // keys per CTA
   static constexpr int kBlockM = 64;                // queries per step
+  static constexpr int kSlices = 1;                 // the whole head dim in each CTA
   static constexpr int kThreads = 128 * kWarpGroups;
   // Q/dO buffers: the copies of the next kBuffers - 1 steps run under this step's products.
   static constexpr int kBuffers = 3;
   using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
-  // K, V, then kBuffers x (Q, dO), then 4-byte words: the keys' segment ids, and per buffer
-  // the step's query segment ids, lse and delta; plus the 1024-byte swizzle alignment.
+  // K, V, then kBuffers x (Q, dO), then the StepWords; plus the 1024-byte swizzle alignment.
+  using Words = StepWords<kBlockN, kBlockM>;
   static constexpr int kQOffset = 2 * KVTile::kBytes;
   static constexpr int kWordOffset = kQOffset + 2 * kBuffers * QTile::kBytes;
-  static constexpr int kSmemBytes = kWordOffset + (kBlockN + 3 * kBuffers * kBlockM) * 4 + 1024;
+  static constexpr int kSmemBytes = kWordOffset + Words::Bytes(kBuffers) + 1024;
 };
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
@@ -53,11 +54,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   unsigned char* sk = smem;
   unsigned char* sv = smem + KVTile::kBytes;
   unsigned char* sqdo = smem + Tr::kQOffset;  // [buffer][Q, dO]
-  int32_t* skv_seg = reinterpret_cast<int32_t*>(smem + Tr::kWordOffset);
-  // Per buffer: the step's query segment ids, lse and delta (kM words each).
-  auto sq_seg = [&](int buf) { return skv_seg + kN + buf * 3 * kM; };
-  auto slse = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + kM); };
-  auto sdelta = [&](int buf) { return reinterpret_cast<float*>(sq_seg(buf) + 2 * kM); };
+  const typename Tr::Words words{reinterpret_cast<int32_t*>(smem + Tr::kWordOffset)};
+  int32_t* skv_seg = words.kv_seg;
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int t = lane & 3;
@@ -114,9 +112,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst + QTile::kBytes,
                                                   d_o + head + m0 * off0.q_ld, off0.q_ld,
                                                   mask.q_len - m0, H);
-    if (segments) LoadRowWordsAsync(sq_seg(c.buf), mask.q_seg, m0, mask.q_len, kM);
-    LoadRowWordsAsync(slse(c.buf), p.lse + stats, m0, mask.q_len, kM);
-    LoadRowWordsAsync(sdelta(c.buf), p.delta + stats, m0, mask.q_len, kM);
+    words.LoadStep(c.buf, p, mask, segments, stats, m0);
   };
   // One copy group per step (empty past the last step), so that "step i's copies are done"
   // is always CpAsyncWait<kBuf - 2>.
@@ -152,7 +148,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (walk.WarpSkips(m0, kM)) continue;  // the same for the whole warpgroup
     const TileMasking tm = DecideMasking<kMaskable>(
         mask, segments, m0, min(m0 + kM, mask.q_len) - 1, warp_key0, warp_key0 + 15,
-        skv_seg + local_key0, 16, sq_seg(buf), kM, lane);
+        skv_seg + local_key0, 16, words.QSeg(buf), kM, lane);
     if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
 
     float s[1][kM / 8][4], dp[1][kM / 8][4];
@@ -173,8 +169,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #pragma unroll
     for (int j = 0; j < kM / 8; ++j) {
       const int col = 8 * j + 2 * t;
-      const float2 lse = *reinterpret_cast<const float2*>(slse(buf) + col);
-      const float2 delta = *reinterpret_cast<const float2*>(sdelta(buf) + col);
+      const float2 lse = *reinterpret_cast<const float2*>(words.Lse(buf) + col);
+      const float2 delta = *reinterpret_cast<const float2*>(words.Delta(buf) + col);
       const float lse2[2] = {RowLse2(lse.x, m0 + col < mask.q_len),
                              RowLse2(lse.y, m0 + col + 1 < mask.q_len)};
       const float dl[2] = {delta.x, delta.y};
@@ -210,16 +206,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dk, dv.
 cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DkvTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
-    using Tr = decltype(tr);
-    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
-    auto kernel = DkvSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>;
-    JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-    dim3 grid;
-    JAXGPU_RETURN_IF_CUDA_ERROR(
-        FlatGrid(p.batch * p.kv_heads, CeilDiv(p.kv_len, Tr::kBlockN), &grid));
-    kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
-    return cudaGetLastError();
+  return DispatchSm90<Sm90DkvTraits>(p, [&](auto config) {
+    using C = decltype(config);
+    return LaunchOverKeyTiles<typename C::Traits>(
+        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);
   });
 }
 

@@ -25,21 +25,9 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-template <int kHeadDim_>
-struct Sm90FwdTraits {
-  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128 (a multiple of the 64-column block)
-  static constexpr int kWarpGroups = 2;
-  static constexpr int kBlockM = 64 * kWarpGroups;
-  static constexpr int kBlockN = 128;
-  static constexpr int kThreads = 128 * kWarpGroups;
-  using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
-  using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
-  // Q, then 2 x (K, V), then the segment ids of the query tile and of 2 key tiles; the
-  // dynamic allocation is rounded up to the 1024-byte swizzle period by hand.
-  static constexpr int kKVOffset = QTile::kBytes;
-  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
-};
+// 128-key tiles; Q alone before the K/V buffers.
+template <int kHeadDim>
+struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, 128, 1> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -202,11 +190,11 @@ bool AttentionSm90Applies(const AttentionParams& p) {
 
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90FwdTraits>(p, [&](auto t, auto tr, auto maskable, auto softcap) {
-    using Tr = decltype(tr);
-    constexpr bool kMaskable = decltype(maskable)::value, kSoftcap = decltype(softcap)::value;
-    return LaunchOverQueryTiles<Tr>(AttentionFwdSm90Kernel<decltype(t), Tr, kMaskable, kSoftcap>,
-                                    p, stream);
+  return DispatchSm90<Sm90FwdTraits>(p, [&](auto config) {
+    using C = decltype(config);
+    return LaunchOverQueryTiles<typename C::Traits>(
+        AttentionFwdSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p,
+        stream);
   });
 }
 

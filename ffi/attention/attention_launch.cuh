@@ -8,7 +8,6 @@
 #include <cuda_runtime.h>
 
 #include <cstdint>
-#include <type_traits>
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
@@ -57,20 +56,43 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
 }
 
 // Launches a kernel taking (p, LogitScale) with Tr's threads and shared memory over a
-// FlatGrid of (query head, query tile of Tr::kBlockM): the forward and dQ kernels.
+// FlatGrid of (head, tile).
 template <typename Tr, typename Kernel>
-cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles,
+                            const AttentionParams& p, cudaStream_t stream) {
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
-  JAXGPU_RETURN_IF_CUDA_ERROR(
-      FlatGrid(p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+  JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(heads, tiles, &grid));
   kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap));
   return cudaGetLastError();
 }
 
-// The Hopper kernels' compile-time switches: launch(T{}, Tr{}, maskable, softcap) with the
-// element type, Traits<64> or Traits<128> by the padded head dim, and the two kernel
-// switches as std::bool_constant (the mask decided on Tr's key tile).
+// The forward and dQ kernels: (query head, query tile of Tr::kBlockM) (DecodeQueryTile).
+template <typename Tr, typename Kernel>
+cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+  return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads * p.group,
+                             CeilDiv(p.q_len, Tr::kBlockM), p, stream);
+}
+
+// The dK/dV kernels: (kv head, key tile of Tr::kBlockN x Tr::kSlices) (DecodeKeyTile).
+template <typename Tr, typename Kernel>
+cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+  return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads,
+                             CeilDiv(p.kv_len, Tr::kBlockN) * Tr::kSlices, p, stream);
+}
+
+// One configuration of a Hopper kernel: element type, traits, and the two kernel switches.
+template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_>
+struct Sm90Config {
+  using T = T_;
+  using Traits = Tr;
+  static constexpr bool kMaskable = kMaskable_;
+  static constexpr bool kSoftcap = kSoftcap_;
+};
+
+// The Hopper kernels' compile-time switches: launch(Sm90Config<...>{}) with the element
+// type, Traits<64> or Traits<128> by the padded head dim, and the two kernel switches (the
+// mask decided on Tr's key tile).
 template <template <int> class Traits, typename Launch>
 cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
@@ -78,8 +100,7 @@ cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
       using Tr = decltype(traits);
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return launch(T{}, Tr{}, std::bool_constant<kMaskable>{},
-                        std::bool_constant<kSoftcap>{});
+          return launch(Sm90Config<T, Tr, kMaskable, kSoftcap>{});
         });
       });
     };

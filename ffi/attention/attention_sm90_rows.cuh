@@ -7,8 +7,27 @@
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
 #include "attention/attention_tile.cuh"
+#include "attention/attention_wgmma.cuh"
 
 namespace jaxgpu::cuda::attention::sm90 {
+
+// Tile shapes and shared-memory layout of a Hopper kernel over query tiles: 2 warpgroups x
+// 64 query rows, kBlockN-key tiles; kQueryTiles 128-row tiles (Q, or Q and dO), then two
+// buffers of (K, V), then the segment ids of the query tile and of two key tiles, and 1024
+// bytes to round the dynamic allocation up to the swizzle period (SwizzleAligned).
+template <int kHeadDim_, int kBlockN_, int kQueryTiles>
+struct QueryTileTraits {
+  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128 (a multiple of the 64-column block)
+  static constexpr int kWarpGroups = 2;
+  static constexpr int kBlockM = 64 * kWarpGroups;
+  static constexpr int kBlockN = kBlockN_;
+  static constexpr int kThreads = 128 * kWarpGroups;
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  static constexpr int kKVOffset = kQueryTiles * QTile::kBytes;
+  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
+};
 
 struct QueryRows {
   int group;       // the warpgroup: rows 64 * group.. of the CTA's tile

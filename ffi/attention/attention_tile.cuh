@@ -84,6 +84,32 @@ __device__ __forceinline__ void Zero(float (&x)[A][B][C]) {
   }
 }
 
+// The dK/dV kernels' 4-byte words in shared memory: the keys' kBlockN segment ids, then per
+// Q/dO buffer the step's query segment ids, lse and delta (kBlockM each).
+template <int kBlockN, int kBlockM>
+struct StepWords {
+  int32_t* kv_seg;
+
+  static constexpr int Bytes(int buffers) { return (kBlockN + buffers * 3 * kBlockM) * 4; }
+  __device__ __forceinline__ int32_t* QSeg(int buf) const {
+    return kv_seg + kBlockN + buf * 3 * kBlockM;
+  }
+  __device__ __forceinline__ float* Lse(int buf) const {
+    return reinterpret_cast<float*>(QSeg(buf) + kBlockM);
+  }
+  __device__ __forceinline__ float* Delta(int buf) const {
+    return reinterpret_cast<float*>(QSeg(buf) + 2 * kBlockM);
+  }
+  // Copies the words of the step over queries m0.. of the query head whose statistics start
+  // at `stats` into buffer `buf` (joining the caller's cp.async group).
+  __device__ __forceinline__ void LoadStep(int buf, const AttentionParams& p, const Mask& mask,
+                                           bool segments, int64_t stats, int m0) const {
+    if (segments) LoadRowWordsAsync(QSeg(buf), mask.q_seg, m0, mask.q_len, kBlockM);
+    LoadRowWordsAsync(Lse(buf), p.lse + stats, m0, mask.q_len, kBlockM);
+    LoadRowWordsAsync(Delta(buf), p.delta + stats, m0, mask.q_len, kBlockM);
+  }
+};
+
 // The dK/dV kernels' walk over (query head r of the GQA group, query tile) steps, tiles
 // fastest, and the Q/dO buffer of each step (round robin over kBuffers): counters, not a
 // division per step (integer division was ~5% of the mma.sync kernel's stall samples).
