@@ -74,7 +74,7 @@ cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaSt
                              CeilDiv(p.q_len, Tr::kBlockM), p, stream);
 }
 
-// The dK/dV kernels: (kv head, key tile of Tr::kBlockN x Tr::kSlices) (DecodeKeyTile).
+// The dK/dV kernels: (kv head, key tile of Tr::kBlockN x Tr::kSlices feature slices).
 template <typename Tr, typename Kernel>
 cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
   return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads,
