@@ -17,7 +17,8 @@ cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream);
 // the forward (attention_fwd_sm90.cu), dQ (attention_bwd_sm90.cu) and dK/dV
 // (attention_dkv_sm90.cu) launchers, for parameters that passed that check and the kernels'
 // CheckLaunchable, and hold at least one query row (forward, dQ) or key (dK/dV). LaunchAttentionFwd / LaunchAttentionBwd pick them by themselves.
-bool AttentionSm90Applies(const AttentionParams& p);
+// max_padded_head_dim: 128 for the backward's kernels, 256 for the forward's.
+bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim = 128);
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream);
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream);
 cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream);

@@ -1,6 +1,6 @@
 // Attention forward on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop beside
 // attention_fwd.cu's mma.sync one, same parameters, same masking and softmax code, chosen
-// at launch on an sm_90 device for head dims padded to 64 and 128.
+// at launch on an sm_90 device for head dims padded to 64, 128 and 256.
 //
 // One CTA owns kBlockM = 128 queries of one query head: two warpgroups of 64 rows. Per key
 // tile of kBlockN keys a warpgroup computes S = Q K^T with Q and K read by the tensor cores
@@ -25,9 +25,11 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-// 128-key tiles; Q alone before the K/V buffers.
+// Q alone before the K/V buffers; 128-key tiles, 64 at H = 256, where the output
+// accumulator is 128 floats a thread: 64-key tiles keep the score tile (32) and P (16)
+// beside it within the registers, and K/V buffers at 32 KB each.
 template <int kHeadDim>
-struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, 128, 1> {};
+struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, (kHeadDim > 128 ? 64 : 128), 1> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -134,8 +136,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       next_tiles(nb);
       issue_scores(acc_s, nb);
       sm90::Fence();  // O += P V of tile nb - 1, overlapping tile nb's softmax
-      sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags,
-                                 v_desc + ((nb - 1 - n_begin) & 1) * kBufferStep);
+      sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(
+          acc_o[0], p_frags, v_desc + ((nb - 1 - n_begin) & 1) * kBufferStep);
       sm90::Commit();
       sm90::Wait<1>();  // S ready; P V may still run
       sm90::KeepOrder(acc_s[0]);
@@ -149,8 +151,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::FenceSharedForAsyncProxy();
     __syncthreads();  // the last V in smem
     sm90::Fence();
-    sm90::ProductRS<T, kD, kN>(acc_o[0], p_frags,
-                               v_desc + ((n_end - 1 - n_begin) & 1) * kBufferStep);
+    sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(
+        acc_o[0], p_frags, v_desc + ((n_end - 1 - n_begin) & 1) * kBufferStep);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_o[0]);
@@ -165,7 +167,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }  // namespace
 }  // namespace attention
 
-bool AttentionSm90Applies(const AttentionParams& p) {
+bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim) {
 #ifdef JAXGPU_HAS_SM90A
   // JAXGPU_ATTENTION_MMA_SYNC=1 forces the portable kernels (tests and comparisons).
   static const bool forced_off = [] {
@@ -174,7 +176,9 @@ bool AttentionSm90Applies(const AttentionParams& p) {
   }();
   if (forced_off) return false;
   const int padded = attention::PaddedHeadDim(p.head_dim);
-  if (padded != 64 && padded != 128) return false;
+  if (padded != 64 && padded != 128 && !(padded == 256 && max_padded_head_dim >= 256)) {
+    return false;
+  }
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -184,13 +188,14 @@ bool AttentionSm90Applies(const AttentionParams& p) {
   return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
 #else
   (void)p;
+  (void)max_padded_head_dim;
   return false;
 #endif
 }
 
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90FwdTraits>(p, [&](auto config) {
+  return DispatchSm90<Sm90FwdTraits, 256>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
         AttentionFwdSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p,

@@ -17,7 +17,7 @@ namespace jaxgpu::cuda::attention::sm90 {
 // bytes to round the dynamic allocation up to the swizzle period (SwizzleAligned).
 template <int kHeadDim_, int kBlockN_, int kQueryTiles>
 struct QueryTileTraits {
-  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128 (a multiple of the 64-column block)
+  static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256 (64-column blocks)
   static constexpr int kWarpGroups = 2;
   static constexpr int kBlockM = 64 * kWarpGroups;
   static constexpr int kBlockN = kBlockN_;

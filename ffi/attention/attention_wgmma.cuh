@@ -233,4 +233,22 @@ __device__ __forceinline__ void ProductRS(float (&acc)[kAcc / 8][4],
   }
 }
 
+// ProductRS for B tiles of any width kAcc <= 256: 128-column pieces (the widest MMA here),
+// each piece two 64-column blocks (kBBlockBytes each) further into the MN-major B tile.
+template <typename T, int kAcc, int kK, int kBBlockBytes>
+__device__ __forceinline__ void ProductRSWide(float (&acc)[kAcc / 8][4],
+                                              const uint32_t (&a)[kK / 16][1][4],
+                                              uint64_t b_desc) {
+  if constexpr (kAcc <= 128) {
+    ProductRS<T, kAcc, kK>(acc, a, b_desc);
+  } else {
+    static_assert(kAcc % 128 == 0, "128-column pieces");
+#pragma unroll
+    for (int piece = 0; piece < kAcc / 128; ++piece) {
+      ProductRS<T, 128, kK>(*reinterpret_cast<float(*)[16][4]>(&acc[16 * piece]), a,
+                            b_desc + piece * 2 * kBBlockBytes / 16);
+    }
+  }
+}
+
 }  // namespace jaxgpu::cuda::attention::sm90
