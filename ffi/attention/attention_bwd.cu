@@ -243,9 +243,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
   };
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
-  const int64_t tile = blockIdx.x / Tr::kSlices;
-  const int64_t kv_head = tile / n_blocks;  // b * K + kh
-  const int n_block = static_cast<int>(tile % n_blocks);
+  const HeadAndRank key_tile = DecodeKeyTile(p, blockIdx.x / Tr::kSlices, n_blocks);
+  const int64_t kv_head = key_tile.head;  // b * K + kh
+  const int n_block = key_tile.rank;
   const int64_t kh = kv_head % p.kv_heads;
   const int64_t b = kv_head / p.kv_heads;
   const Mask mask = MakeMask(p, b);

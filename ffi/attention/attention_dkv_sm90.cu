@@ -64,8 +64,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
 
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
-  const int64_t kv_head = blockIdx.x / n_blocks;  // b * K + kh
-  const int n_block = static_cast<int>(blockIdx.x % n_blocks);
+  const HeadAndRank key_tile = DecodeKeyTile(p, blockIdx.x, n_blocks);
+  const int64_t kv_head = key_tile.head;  // b * K + kh
+  const int n_block = key_tile.rank;
   const int64_t kh = kv_head % p.kv_heads;
   const int64_t b = kv_head / p.kv_heads;
   const Mask mask = MakeMask(p, b);

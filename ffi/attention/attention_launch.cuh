@@ -46,8 +46,9 @@ inline bool NeedsMask(const AttentionParams& p, int block_n) {
          p.kv_len % block_n != 0;
 }
 
-// Blocks of a grid that enumerates (head, tile) pairs with the tile index fastest: the
-// CTAs of one head run together and share its K/V (or Q/dO) tiles through L2.
+// A one-dimensional grid of heads x tiles blocks; the kernels decode their (head, tile) in
+// DecodeGroupedTile's order (groups of heads, longest tiles first, for L2 reuse and a short
+// tail).
 inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
   const int64_t n = heads * tiles;
   if (n > INT32_MAX) return cudaErrorInvalidConfiguration;

@@ -54,8 +54,31 @@ __device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p,
   return o;
 }
 
-// The query head and query tile a CTA owns in a FlatGrid over (head, tile): tiles run
-// last-first within a head, so under the causal mask the longest rows start first.
+// The order in which a FlatGrid over (head, tile) hands out work. Heads go in groups of
+// kHeadsPerGroup; within a group the tiles go longest first (rank 0 first), the group's
+// heads taking turns. Under the causal mask tile lengths differ by up to T / tile: with
+// the heads one after another (each head's tiles longest first), the grid ended on the
+// last head's long tiles while most SMs sat idle. In groups, the grid ends on short tiles,
+// and a group's K/V (8 heads x 4 MB at T = 4096, H = 128) stays within the 50 MB L2 while
+// its CTAs run.
+struct HeadAndRank {
+  int64_t head;
+  int rank;  // 0: the tile with the most work under the causal mask
+};
+
+__device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t heads, int tiles) {
+  constexpr int kHeadsPerGroup = 8;
+  const int64_t per_group = static_cast<int64_t>(kHeadsPerGroup) * tiles;
+  const int64_t group = flat / per_group;
+  const int within = static_cast<int>(flat - group * per_group);
+  const int heads_here = static_cast<int>(
+      heads - group * kHeadsPerGroup < kHeadsPerGroup ? heads - group * kHeadsPerGroup
+                                                      : kHeadsPerGroup);
+  return {group * kHeadsPerGroup + within % heads_here, within / heads_here};
+}
+
+// The query head and query tile a CTA owns in a FlatGrid over (head, tile): the last tiles
+// have the most keys under the causal mask, so rank 0 is the last tile.
 struct QueryTile {
   int64_t b, kh, r;  // batch, kv head, query head within the kv head's group
   int m_block;
@@ -63,13 +86,21 @@ struct QueryTile {
 
 __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
   const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
-  const int64_t head = blockIdx.x / m_blocks;
+  const HeadAndRank hr =
+      DecodeGroupedTile(blockIdx.x, p.batch * p.kv_heads * p.group, m_blocks);
   QueryTile q;
-  q.m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
-  q.r = head % p.group;
-  q.kh = (head / p.group) % p.kv_heads;
-  q.b = head / (p.group * p.kv_heads);
+  q.m_block = m_blocks - 1 - hr.rank;
+  q.r = hr.head % p.group;
+  q.kh = (hr.head / p.group) % p.kv_heads;
+  q.b = hr.head / (p.group * p.kv_heads);
   return q;
+}
+
+// The kv head (b * K + kh) and key tile of a dK/dV CTA: the first key tiles have the most
+// queries under the causal mask, so rank 0 is tile 0.
+__device__ __forceinline__ HeadAndRank DecodeKeyTile(const AttentionParams& p, int64_t flat,
+                                                     int n_blocks) {
+  return DecodeGroupedTile(flat, p.batch * p.kv_heads, n_blocks);
 }
 
 template <int A, int B, int C>
