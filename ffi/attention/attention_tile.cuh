@@ -55,26 +55,32 @@ __device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p,
 }
 
 // The order in which a FlatGrid over (head, tile) hands out work. Heads go in groups of
-// kHeadsPerGroup; within a group the tiles go longest first (rank 0 first), the group's
-// heads taking turns. Under the causal mask tile lengths differ by up to T / tile: with
-// the heads one after another (each head's tiles longest first), the grid ended on the
-// last head's long tiles while most SMs sat idle. In groups, the grid ends on short tiles,
-// and a group's K/V (8 heads x 4 MB at T = 4096, H = 128) stays within the 50 MB L2 while
-// its CTAs run.
+// `group_heads`; within a group the tiles go longest first (rank 0 first), the group's
+// heads taking turns. With one head a group (the order without the causal mask, where all
+// tiles are alike) the CTAs of one head run together and share its K/V or Q/dO through
+// L2. Under the causal mask tile lengths differ by up to T / tile: one head after another
+// (each longest first), the grid ended on the last head's long tiles while most SMs sat
+// idle; in groups it ends on short ones.
 struct HeadAndRank {
   int64_t head;
   int rank;  // 0: the tile with the most work under the causal mask
 };
 
-__device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t heads, int tiles) {
-  constexpr int kHeadsPerGroup = 8;
-  const int64_t per_group = static_cast<int64_t>(kHeadsPerGroup) * tiles;
+// Heads a group under the causal mask (GPU-measured, TUNING.md).
+constexpr int kCausalGroupHeads = 8;
+
+__device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t heads, int tiles,
+                                                         int group_heads) {
+  const int64_t per_group = static_cast<int64_t>(group_heads) * tiles;
   const int64_t group = flat / per_group;
   const int within = static_cast<int>(flat - group * per_group);
-  const int heads_here = static_cast<int>(
-      heads - group * kHeadsPerGroup < kHeadsPerGroup ? heads - group * kHeadsPerGroup
-                                                      : kHeadsPerGroup);
-  return {group * kHeadsPerGroup + within % heads_here, within / heads_here};
+  const int64_t left = heads - group * group_heads;
+  const int heads_here = static_cast<int>(left < group_heads ? left : group_heads);
+  return {group * group_heads + within % heads_here, within / heads_here};
+}
+
+__device__ __forceinline__ int GroupHeads(const AttentionParams& p) {
+  return p.causal ? kCausalGroupHeads : 1;
 }
 
 // The query head and query tile a CTA owns in a FlatGrid over (head, tile): the last tiles
@@ -87,7 +93,7 @@ struct QueryTile {
 __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
   const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
   const HeadAndRank hr =
-      DecodeGroupedTile(blockIdx.x, p.batch * p.kv_heads * p.group, m_blocks);
+      DecodeGroupedTile(blockIdx.x, p.batch * p.kv_heads * p.group, m_blocks, GroupHeads(p));
   QueryTile q;
   q.m_block = m_blocks - 1 - hr.rank;
   q.r = hr.head % p.group;
@@ -100,7 +106,7 @@ __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, i
 // queries under the causal mask, so rank 0 is tile 0.
 __device__ __forceinline__ HeadAndRank DecodeKeyTile(const AttentionParams& p, int64_t flat,
                                                      int n_blocks) {
-  return DecodeGroupedTile(flat, p.batch * p.kv_heads, n_blocks);
+  return DecodeGroupedTile(flat, p.batch * p.kv_heads, n_blocks, GroupHeads(p));
 }
 
 template <int A, int B, int C>
