@@ -66,9 +66,6 @@ struct HeadAndRank {
   int rank;  // 0: the tile with the most work under the causal mask
 };
 
-// Heads a group under the causal mask (GPU-measured, TUNING.md).
-constexpr int kCausalGroupHeads = 8;
-
 __device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t heads, int tiles,
                                                          int group_heads) {
   const int64_t per_group = static_cast<int64_t>(group_heads) * tiles;
@@ -79,8 +76,16 @@ __device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t h
   return {group * group_heads + within % heads_here, within / heads_here};
 }
 
+// Heads a group: under the causal mask as many as keep a group's K and V (2 bytes an
+// element) within 8 MB, at most 8; otherwise 1. Measured on the H100 (H = 128, N = 32, B*T =
+// 16k): at T = 4096 (2 MB a head) groups of 1/4/8/16 heads gave forward 357/362/358/359
+// TFLOP/s and backward 324/334/333/334; at T = 16k (8 MB a head) 1 head gave 420/379, 4
+// or more 410/375 (the groups' K/V no longer shared through L2).
 __device__ __forceinline__ int GroupHeads(const AttentionParams& p) {
-  return p.causal ? kCausalGroupHeads : 1;
+  if (!p.causal) return 1;
+  const int64_t kv_bytes = 4 * p.kv_len * p.head_dim;
+  const int64_t fit = (int64_t{8} << 20) / (kv_bytes > 0 ? kv_bytes : 1);
+  return static_cast<int>(fit < 1 ? 1 : (fit > 8 ? 8 : fit));
 }
 
 // The query head and query tile a CTA owns in a FlatGrid over (head, tile): the last tiles
