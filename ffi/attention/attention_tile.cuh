@@ -66,14 +66,15 @@ struct HeadAndRank {
   int rank;  // 0: the tile with the most work under the causal mask
 };
 
-__device__ __forceinline__ HeadAndRank DecodeGroupedTile(int64_t flat, int64_t heads, int tiles,
+// flat < heads * tiles <= INT32_MAX (FlatGrid): 32-bit division.
+__device__ __forceinline__ HeadAndRank DecodeGroupedTile(int flat, int heads, int tiles,
                                                          int group_heads) {
-  const int64_t per_group = static_cast<int64_t>(group_heads) * tiles;
-  const int64_t group = flat / per_group;
-  const int within = static_cast<int>(flat - group * per_group);
-  const int64_t left = heads - group * group_heads;
-  const int heads_here = static_cast<int>(left < group_heads ? left : group_heads);
-  return {group * group_heads + within % heads_here, within / heads_here};
+  const int per_group = group_heads * tiles;
+  const int group = flat / per_group;
+  const int within = flat - group * per_group;
+  const int heads_here = min(heads - group * group_heads, group_heads);
+  return {static_cast<int64_t>(group) * group_heads + within % heads_here,
+          within / heads_here};
 }
 
 // Heads a group: under the causal mask as many as keep a group's K and V (2 bytes an
@@ -98,7 +99,8 @@ struct QueryTile {
 __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
   const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
   const HeadAndRank hr =
-      DecodeGroupedTile(blockIdx.x, p.batch * p.kv_heads * p.group, m_blocks, GroupHeads(p));
+      DecodeGroupedTile(blockIdx.x, static_cast<int>(p.batch * p.kv_heads * p.group),
+                        m_blocks, GroupHeads(p));
   QueryTile q;
   q.m_block = m_blocks - 1 - hr.rank;
   q.r = hr.head % p.group;
@@ -109,9 +111,10 @@ __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, i
 
 // The kv head (b * K + kh) and key tile of a dK/dV CTA: the first key tiles have the most
 // queries under the causal mask, so rank 0 is tile 0.
-__device__ __forceinline__ HeadAndRank DecodeKeyTile(const AttentionParams& p, int64_t flat,
+__device__ __forceinline__ HeadAndRank DecodeKeyTile(const AttentionParams& p, int flat,
                                                      int n_blocks) {
-  return DecodeGroupedTile(flat, p.batch * p.kv_heads, n_blocks, GroupHeads(p));
+  return DecodeGroupedTile(flat, static_cast<int>(p.batch * p.kv_heads), n_blocks,
+                           GroupHeads(p));
 }
 
 template <int A, int B, int C>
