@@ -90,7 +90,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2;
-  const QueryTile tile = DecodeQueryTile(p, kM);
+  const QueryTile tile = DecodeQueryTile<kMaskable>(p, kM);
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);
@@ -243,7 +243,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
   };
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
-  const HeadAndRank key_tile = DecodeKeyTile(p, blockIdx.x / Tr::kSlices, n_blocks);
+  const HeadAndRank key_tile =
+      DecodeKeyTile<kMaskable>(p, static_cast<int64_t>(blockIdx.x / Tr::kSlices), n_blocks);
   const int64_t kv_head = key_tile.head;  // b * K + kh
   const int n_block = key_tile.rank;
   const int64_t kh = kv_head % p.kv_heads;

@@ -64,7 +64,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
 
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
-  const HeadAndRank key_tile = DecodeKeyTile(p, blockIdx.x, n_blocks);
+  const HeadAndRank key_tile = DecodeKeyTile<kMaskable>(p, blockIdx.x, n_blocks);
   const int64_t kv_head = key_tile.head;  // b * K + kh
   const int n_block = key_tile.rank;
   const int64_t kh = kv_head % p.kv_heads;

@@ -50,7 +50,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  const QueryTile tile = DecodeQueryTile(p, kM);
+  const QueryTile tile = DecodeQueryTile<kMaskable>(p, kM);
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
   const Mask mask = MakeMask(p, b);

@@ -50,7 +50,7 @@ __device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
   // branch it thinks divergent is serialized (C7518).
   r.group = __shfl_sync(0xffffffffu, warp >> 2, 0);
   r.local_row0 = 64 * r.group + 16 * (warp & 3);
-  r.tile = DecodeQueryTile(p, kBlockM);
+  r.tile = DecodeQueryTile<kMaskable>(p, kBlockM);
   r.off = MakeHeadOffsets(p, r.tile.b, r.tile.kh, r.tile.r);
   r.mask = MakeMask(p, r.tile.b);
   r.segments = kMaskable && r.mask.q_seg != nullptr;
