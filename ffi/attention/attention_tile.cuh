@@ -81,7 +81,7 @@ __device__ __forceinline__ HeadAndRank DecodeGroupedTile(int flat, int heads, in
 // element) within 8 MB, at most 8; otherwise 1. Measured on the H100 (H = 128, N = 32, B*T =
 // 16k): at T = 4096 (2 MB a head) groups of 1/4/8/16 heads gave forward 357/362/358/359
 // TFLOP/s and backward 324/334/333/334; at T = 16k (8 MB a head) 1 head gave 420/379, 4
-// or more 410/375 (the groups' K/V no longer shared through L2).
+// or more 410/375 (likely L2: a group's K/V then exceeds the 50 MB it holds).
 __device__ __forceinline__ int GroupHeads(const AttentionParams& p) {
   if (!p.causal) return 1;
   const int64_t kv_bytes = 4 * p.kv_len * p.head_dim;
