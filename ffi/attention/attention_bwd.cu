@@ -243,22 +243,18 @@ __global__ void __launch_bounds__(Tr::kThreads)
   };
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
-  const HeadAndRank key_tile =
+  const KeyTile tile =
       DecodeKeyTile<kMaskable>(p, static_cast<int64_t>(blockIdx.x / Tr::kSlices), n_blocks);
-  const int64_t kv_head = key_tile.head;  // b * K + kh
-  const int n_block = key_tile.rank;
-  const int64_t kh = kv_head % p.kv_heads;
-  const int64_t b = kv_head / p.kv_heads;
-  const Mask mask = MakeMask(p, b);
+  const Mask mask = MakeMask(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
-  const int n0 = n_block * kN;
+  const int n0 = tile.n_block * kN;
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
   const int pair_row0 = pair * Tr::kPairKeys;
   const int key0 = n0 + pair_row0;
 
-  const HeadOffsets off0 = MakeHeadOffsets(p, b, kh, 0);
+  const HeadOffsets off0 = MakeHeadOffsets(p, tile.b, tile.kh, 0);
   const T* q = static_cast<const T*>(p.q);
   const T* d_o = static_cast<const T*>(p.d_o);
 

@@ -13,11 +13,12 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream);
 cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream);
 
 // The Hopper (wgmma) kernels: whether they run these parameters (an sm_90 device, a build
-// with sm_90a code, head dim padded to 64 or 128, and JAXGPU_ATTENTION_MMA_SYNC unset), and
-// the forward (attention_fwd_sm90.cu), dQ (attention_bwd_sm90.cu) and dK/dV
-// (attention_dkv_sm90.cu) launchers, for parameters that passed that check and the kernels'
-// CheckLaunchable, and hold at least one query row (forward, dQ) or key (dK/dV). LaunchAttentionFwd / LaunchAttentionBwd pick them by themselves.
-// max_padded_head_dim: 128 for the backward's kernels, 256 for the forward's.
+// with sm_90a code, JAXGPU_ATTENTION_MMA_SYNC unset, and the head dim padded to 64 or 128,
+// or 256 where max_padded_head_dim allows it: 256 for the forward's kernels, 128 for the
+// backward's), and the forward (attention_fwd_sm90.cu), dQ (attention_bwd_sm90.cu) and
+// dK/dV (attention_dkv_sm90.cu) launchers, for parameters that passed that check and the
+// kernels' CheckLaunchable and hold at least one query row (forward, dQ) or key (dK/dV).
+// LaunchAttentionFwd / LaunchAttentionBwd pick them by themselves.
 bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim = 128);
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream);
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream);

@@ -64,19 +64,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
 
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
-  const HeadAndRank key_tile = DecodeKeyTile<kMaskable>(p, blockIdx.x, n_blocks);
-  const int64_t kv_head = key_tile.head;  // b * K + kh
-  const int n_block = key_tile.rank;
-  const int64_t kh = kv_head % p.kv_heads;
-  const int64_t b = kv_head / p.kv_heads;
-  const Mask mask = MakeMask(p, b);
+  const KeyTile tile = DecodeKeyTile<kMaskable>(p, blockIdx.x, n_blocks);
+  const Mask mask = MakeMask(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
-  const int n0 = n_block * kN;
+  const int n0 = tile.n_block * kN;
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int group_key0 = n0 + 64 * group;
   const int warp_key0 = n0 + local_key0;
-  const HeadOffsets off0 = MakeHeadOffsets(p, b, kh, 0);
+  const HeadOffsets off0 = MakeHeadOffsets(p, tile.b, tile.kh, 0);
   const T* q = static_cast<const T*>(p.q);
   const T* d_o = static_cast<const T*>(p.d_o);
 
@@ -196,8 +192,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int64_t out = off0.kv + n0 * off0.kv_ld;
   StoreAccumulator<T, kD>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f, local_key0,
                           mask.kv_len - n0, 0, H, lane);
-  StoreAccumulator<T, kD>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale, local_key0,
-                          mask.kv_len - n0, 0, H, lane);
+  StoreAccumulator<T, kD>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale,
+                          local_key0, mask.kv_len - n0, 0, H, lane);
 #endif
 }
 

@@ -122,17 +122,33 @@ __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, i
   return q;
 }
 
-// The kv head (b * K + kh) and key tile of a dK/dV CTA: the first key tiles have the most
-// queries under the causal mask, so rank 0 is tile 0. kGrouped: as DecodeQueryTile's.
+// The kv head and key tile a dK/dV CTA owns in a FlatGrid over (kv head, tile): the first
+// key tiles have the most queries under the causal mask, so rank 0 is tile 0. kGrouped: as
+// DecodeQueryTile's. `flat` keeps the caller's integer type (the mma.sync kernel's is 64-bit,
+// the wgmma kernel's blockIdx.x): the ungrouped decode is then the division each kernel
+// had, for the code-generation reason given at DecodeQueryTile.
+struct KeyTile {
+  int64_t b, kh;  // batch, kv head
+  int n_block;
+};
+
 template <bool kGrouped, typename Flat>
-__device__ __forceinline__ HeadAndRank DecodeKeyTile(const AttentionParams& p, Flat flat,
-                                                     int n_blocks) {
+__device__ __forceinline__ KeyTile DecodeKeyTile(const AttentionParams& p, Flat flat,
+                                                 int n_blocks) {
+  int64_t kv_head;  // b * K + kh
+  KeyTile k;
   if constexpr (kGrouped) {
-    return DecodeGroupedTile(static_cast<int>(flat), static_cast<int>(p.batch * p.kv_heads),
-                             n_blocks, GroupHeads(p));
+    const HeadAndRank hr = DecodeGroupedTile(
+        static_cast<int>(flat), static_cast<int>(p.batch * p.kv_heads), n_blocks, GroupHeads(p));
+    kv_head = hr.head;
+    k.n_block = hr.rank;
   } else {
-    return {static_cast<int64_t>(flat / n_blocks), static_cast<int>(flat % n_blocks)};
+    kv_head = flat / n_blocks;
+    k.n_block = static_cast<int>(flat % n_blocks);
   }
+  k.kh = kv_head % p.kv_heads;
+  k.b = kv_head / p.kv_heads;
+  return k;
 }
 
 template <int A, int B, int C>
