@@ -469,6 +469,39 @@ def test_all_masked(implementation, rng):
     assert np.isfinite(g).all() and not g.any()
 
 
+# ---- softcaps across the bounded softmax's range ------------------------------------------------
+
+# The Hopper forward subtracts a fixed offset instead of the row max when the cap's range
+# fits P's type (LogitScale::bound in ffi/attention/attention_tile.cuh): bfloat16 caps up to
+# 51.2, float16 up to 10. Caps on both sides of each limit, and one where the offset is
+# below fold (p reaches 2^15 and more, the smallest p 2^-100 for bf16, 2^-14 for fp16).
+SOFTCAP_RANGES = [(jnp.bfloat16, 3.0), (jnp.bfloat16, 40.0), (jnp.bfloat16, 50.0),
+                  (jnp.bfloat16, 60.0), (jnp.float16, 9.0), (jnp.float16, 12.0)]
+
+
+@pytest.mark.parametrize("dtype,cap", SOFTCAP_RANGES,
+                         ids=[f"{jnp.dtype(d).name}-cap{c:g}" for d, c in SOFTCAP_RANGES])
+@pytest.mark.parametrize("h", (64, 128))
+def test_softcap_ranges(dtype, cap, h, implementation, rng):
+  """Logits spread over the whole capped range (noise of cap / 2), and a quarter of the
+  query rows whose every logit lies near -cap (a mean of -3 cap before the cap): the
+  smallest probabilities the bound allows, where an online max would have rescaled.
+  Forward and gradients against the float64 oracle, over several key tiles."""
+  case = Case(2, 200, 300, 4, 2, h, dtype, Opts(softcap=cap))
+  u = np.ones(h) / math.sqrt(h)
+  k = rng.standard_normal(case.kv_shape) + 4.0 * u            # k . u ~ 4 for every key
+  low = np.where(np.arange(case.t) % 4 == 0, -3.0 * cap * math.sqrt(h) / 4.0, 0.0)
+  q = rng.standard_normal(case.q_shape) * (cap / 2.0) + low[None, :, None, None] * u
+  q, k = (jnp.asarray(a.astype(np.float32)).astype(dtype) for a in (q, k))
+  v = oracle.randn(rng, case.kv_shape, dtype)
+  do = oracle.randn(rng, case.q_shape, dtype)
+  fn = kernel_fn(implementation, case.opts)
+  o = jax.jit(fn)(q, k, v)
+  grads = jax.jit(jax.grad(lambda q, k, v: loss(fn, q, k, v, (), do), argnums=(0, 1, 2)))(
+      q, k, v)
+  check_all(case, implementation, q, k, v, (), do, o, grads, what=f"cap {cap:g}: ")
+
+
 # ---- determinism, forward mode, lowering ------------------------------------------------------
 
 

@@ -12,6 +12,7 @@
 // two warpgroups interleave on the tensor cores besides.
 #include <cuda_runtime.h>
 
+#include <cmath>
 #include <cstdlib>
 
 #include "attention/attention_cuda.h"
@@ -31,9 +32,12 @@ namespace {
 template <int kHeadDim>
 struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, (kHeadDim > 128 ? 64 : 128), 1> {};
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+// kBounded (with kSoftcap): the softmax subtracts LogitScale::bound instead of the running
+// row max (BoundedSoftmax), so the output accumulator is never rescaled.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kBounded>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     AttentionFwdSm90Kernel(AttentionParams p, LogitScale ls) {
+  static_assert(kSoftcap || !kBounded, "only a softcap bounds the logits");
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
   using KVTile = typename Tr::KVTile;
@@ -113,7 +117,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
         sq_seg + rows.local_row0, 16, skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
     ToLogits<false, kN, kSoftcap>(acc_s[0], ls, mask, tm.masked, rows.warp_row0, n0,
                                   tm.RowSeg(0), tm.col_seg, lane);
-    OnlineSoftmax<kN>(acc_s[0], row_max[0], row_sum[0], correction[0], ls.fold);
+    if constexpr (kBounded) {
+      BoundedSoftmax<kN>(acc_s[0], row_sum[0], ls);
+    } else {
+      OnlineSoftmax<kN>(acc_s[0], row_max[0], row_sum[0], correction[0], ls.fold);
+    }
   };
   uint32_t p_frags[kN / 16][1][4];  // P of the previous tile, pending its product with V
 
@@ -144,7 +152,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       softmax(acc_s, nb);
       sm90::Wait<0>();
       sm90::KeepOrder(acc_o[0]);
-      RescaleRows<1, kD>(acc_o, correction);
+      if constexpr (!kBounded) RescaleRows<1, kD>(acc_o, correction);
       PackProbs<T, kN, 1>(p_frags, acc_s);
     }
     CpAsyncWait<0>();
@@ -159,8 +167,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
-  StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum, ls.fold,
-                            rows.local_row0, m0, mask.q_len, rows.dim, lane);
+  if constexpr (kBounded) {  // the rows' offset is the bound itself (log2 domain: fold 1)
+    const float bound[1][2] = {{ls.bound, ls.bound}};
+    StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, bound, row_sum, 1.f,
+                              rows.local_row0, m0, mask.q_len, rows.dim, lane);
+  } else {
+    StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum,
+                              ls.fold, rows.local_row0, m0, mask.q_len, rows.dim, lane);
+  }
 #endif
 }
 
@@ -195,11 +209,15 @@ bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim) {
 
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
+  const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);
   return DispatchSm90<Sm90FwdTraits, 256>(p, [&](auto config) {
     using C = decltype(config);
-    return LaunchOverQueryTiles<typename C::Traits>(
-        AttentionFwdSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p,
-        stream);
+    return JAXGPU_BOOL_SWITCH(bounded, kBounded, [&] {
+      return LaunchOverQueryTiles<typename C::Traits>(
+          AttentionFwdSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
+                                 C::kSoftcap && kBounded>,
+          p, stream);
+    });
   });
 }
 

@@ -45,6 +45,29 @@ __device__ __forceinline__ void OnlineSoftmax(float (&acc_s)[kN / 8][4], float (
   }
 }
 
+// The forward's softmax under a softcap whose range fits P's type (LogitScale::bound): the
+// same probabilities up to a per-row factor, with the fixed offset in place of the running
+// max, so there is no max reduction over the row and the output accumulator needs no
+// rescaling per tile. acc_s becomes the unnormalized probabilities; row_sum adds them up.
+template <int kN>
+__device__ __forceinline__ void BoundedSoftmax(float (&acc_s)[kN / 8][4], float (&row_sum)[2],
+                                               const LogitScale& ls) {
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    float sum = 0.f;
+#pragma unroll
+    for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+      for (int c = 0; c < 2; ++c) {
+        const float pe = FastExp2(fmaf(acc_s[j][2 * h + c], ls.fold, -ls.bound));
+        acc_s[j][2 * h + c] = pe;
+        sum += pe;
+      }
+    }
+    row_sum[h] += sum;
+  }
+}
+
 // acc_o's rows times the softmax's correction.
 template <int kMT, int kD>
 __device__ __forceinline__ void RescaleRows(float (&acc_o)[kMT][kD / 8][4],

@@ -3,6 +3,7 @@
 // (batch, head) slice starts in memory. No XLA types.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 
 #include "attention/attention_mask.cuh"
@@ -382,16 +383,35 @@ struct LogitScale {
   float scale;
   float tanh_in;  // softcap: scale / cap; 0 without one
   float fold;     // multiplier of ToLogits's output in the exp2 argument
+  float bound;    // softcap: the forward's fixed softmax offset (BoundedSoftmax); NaN: none
 };
 
 constexpr float kLog2e = 1.4426950408889634f;
 constexpr float kLn2 = 0.6931471805599453f;
 
-inline LogitScale MakeLogitScale(float scale, float cap) {
+// A softcap bounds every logit to [-cap, cap], so the forward's softmax may subtract one
+// fixed offset (log2 domain) instead of the running row max: exp2(x * fold - bound) with
+// x = tanh(..) in [-1, 1] has exponents [-fold - bound, fold - bound], which must lie in
+// [min_exp, max_exp] for P's type:
+// - bfloat16: min_exp -100 keeps P normal (2^-126) with 26 binades to spare, so that P V
+//   products with |v| >= 2^-26 stay normal float32 numbers; max_exp 48 leaves float32 sums
+//   over up to 2^31 keys room for |v| < 2^48. Caps up to 51.2 fit (Gemma 2's 50).
+// - float16: P within its normal range [2^-14, 2^15]. Caps up to 10 fit.
+// The offset is the largest that keeps the smallest probability above min_exp, at most
+// fold (then p <= 1, as with the row max). Other caps keep the online softmax.
+inline float BoundedSoftmaxOffset(float fold, DType dtype) {
+  const bool bf16 = dtype == DType::kBF16;
+  const float min_exp = bf16 ? -100.f : -14.f, max_exp = bf16 ? 48.f : 15.f;
+  if (2.f * fold > max_exp - min_exp) return NAN;
+  return fold < -min_exp - fold ? fold : -min_exp - fold;
+}
+
+inline LogitScale MakeLogitScale(float scale, float cap, DType dtype) {
   LogitScale s;
   s.scale = scale;
   s.tanh_in = cap > 0.f ? scale / cap : 0.f;
   s.fold = (cap > 0.f ? cap : scale) * kLog2e;
+  s.bound = cap > 0.f ? BoundedSoftmaxOffset(s.fold, dtype) : NAN;
   return s;
 }
 
