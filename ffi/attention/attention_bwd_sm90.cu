@@ -26,13 +26,13 @@ namespace {
 // and the S and dP tiles (2 x 64 floats a thread) beside the 64 dQ accumulators make ptxas
 // spill.
 template <int kHeadDim>
-struct Sm90DqTraits : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : 64, 2> {};
+struct Sm90DqTraits : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : 64, 2, 3> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     DqSm90Kernel(AttentionParams p, LogitScale ls) {
 #if JAXGPU_WGMMA_DEVICE
-  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
+  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kKVBuffers;
   using QTile = typename Tr::QTile;
   using KVTile = typename Tr::KVTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -89,46 +89,78 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     load_kv(n_begin, 0);
     CpAsyncCommit();
   }
+  // Pipelined within a warpgroup: tile nb's S and dP are issued together with dQ += dS K of
+  // the previous tile, whose product then runs under tile nb's elementwise work. So K_nb
+  // is read in iterations nb and nb + 1 while tile nb + 1's copies land: three buffers.
+  // A tile the warpgroup skips drains the pending product; after a skip (and on the first
+  // tile) the pending product is one of zeros, so that no branch sits between an MMA's
+  // issue and its wait (ptxas serializes wgmma there).
+  uint32_t ds_frags[kN / 16][1][4];  // dS of the last computed tile, pending its product
+  bool pending = false;
+  int pending_buf = 0;
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kN;
-    const int buf = (nb - n_begin) & 1;
+    const int buf = (nb - n_begin) % kBuf;
     CpAsyncWait<0>();
     sm90::FenceSharedForAsyncProxy();
-    __syncthreads();  // tile nb in smem; both warpgroups are done with tile nb - 1's buffer
+    __syncthreads();  // tile nb in smem; both warpgroups are done with tile nb - 2's buffer
     if (nb + 1 < n_end) {
-      load_kv(nb + 1, buf ^ 1);
+      load_kv(nb + 1, (buf + 1) % kBuf);
       CpAsyncCommit();
     }
-    if (rows.walk.WarpSkips(n0, kN)) continue;  // the same for the whole warpgroup
-    const TileMasking tm = DecideMasking<kMaskable>(
-        mask, rows.segments, rows.warp_row0, rows.warp_row1, n0, n0 + kN - 1,
-        sq_seg + rows.local_row0, 16, skv_seg + buf * kN, kN, lane);
-    if (rows.segments && sm90::WarpgroupAll(tm.skip, rows.group)) continue;
-
-    float s[1][kN / 8][4], dp[1][kN / 8][4];
-    sm90::Fence();
-    sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
-        s[0], q_desc, k_desc + buf * kBufferStep, false);
-    sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
-        dp[0], do_desc, v_desc + buf * kBufferStep, false);
-    sm90::Commit();
-    sm90::Wait<0>();
-    sm90::KeepOrder(s[0]);
-    sm90::KeepOrder(dp[0]);
-
-    ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, rows.warp_row0, n0, tm.RowSeg(0),
-                                  tm.col_seg, lane);
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
-      }
+    bool compute = !rows.walk.WarpSkips(n0, kN);  // the same for the whole warpgroup
+    TileMasking tm{false, false, nullptr, nullptr};
+    if (compute) {
+      tm = DecideMasking<kMaskable>(mask, rows.segments, rows.warp_row0, rows.warp_row1, n0,
+                                    n0 + kN - 1, sq_seg + rows.local_row0, 16,
+                                    skv_seg + buf * kN, kN, lane);
+      compute = !(rows.segments && sm90::WarpgroupAll(tm.skip, rows.group));
     }
-    uint32_t ds_frags[kN / 16][1][4];
-    PackProbs<T, kN, 1>(ds_frags, dp);
+    const uint64_t pending_k = k_desc_mn + (pending ? pending_buf : buf) * kBufferStep;
+    if (compute) {
+      // No product pending: a product of zeros instead of a branch. (Zeroing ds_frags
+      // where the skip drains them instead makes ptxas serialize every wgmma, C7513.)
+      if (!pending) Zero(ds_frags);
+      float s[1][kN / 8][4], dp[1][kN / 8][4];
+      sm90::Fence();
+      sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
+          s[0], q_desc, k_desc + buf * kBufferStep, false);
+      sm90::ProductSS<T, kN, kD, QTile::kBlockBytes, KVTile::kBlockBytes>(
+          dp[0], do_desc, v_desc + buf * kBufferStep, false);
+      sm90::Commit();
+      sm90::Fence();
+      sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, pending_k);
+      sm90::Commit();
+      sm90::Wait<1>();  // S and dP ready; the previous tile's dQ product may still run
+      sm90::KeepOrder(s[0]);
+      sm90::KeepOrder(dp[0]);
+
+      ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, rows.warp_row0, n0,
+                                    tm.RowSeg(0), tm.col_seg, lane);
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ProbsAndGrads<kSoftcap>(s[0][j][e], dp[0][j][e], lse2[e >> 1], delta[e >> 1], ls);
+        }
+      }
+      sm90::Wait<0>();  // the pending product is done with ds_frags
+      sm90::KeepOrder(acc_dq[0]);
+      PackProbs<T, kN, 1>(ds_frags, dp);
+      pending = true;
+      pending_buf = buf;
+    } else if (pending) {
+      sm90::Fence();
+      sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, pending_k);
+      sm90::Commit();
+      sm90::Wait<0>();
+      sm90::KeepOrder(acc_dq[0]);
+      pending = false;
+    }
+  }
+  if (pending) {  // tile n_end - 1's buffer: no copy overwrites it any more
     sm90::Fence();
-    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_desc_mn + buf * kBufferStep);
+    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_desc_mn + pending_buf * kBufferStep);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_dq[0]);

@@ -12,21 +12,23 @@
 namespace jaxgpu::cuda::attention::sm90 {
 
 // Tile shapes and shared-memory layout of a Hopper kernel over query tiles: 2 warpgroups x
-// 64 query rows, kBlockN-key tiles; kQueryTiles 128-row tiles (Q, or Q and dO), then two
-// buffers of (K, V), then the segment ids of the query tile and of two key tiles, and 1024
-// bytes to round the dynamic allocation up to the swizzle period (SwizzleAligned).
-template <int kHeadDim_, int kBlockN_, int kQueryTiles>
+// 64 query rows, kBlockN-key tiles; kQueryTiles 128-row tiles (Q, or Q and dO), then
+// kKVBuffers buffers of (K, V), then the segment ids of the query tile and of kKVBuffers
+// key tiles, and 1024 bytes to round the dynamic allocation up to the swizzle period
+// (SwizzleAligned).
+template <int kHeadDim_, int kBlockN_, int kQueryTiles, int kKVBuffers_ = 2>
 struct QueryTileTraits {
   static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256 (64-column blocks)
   static constexpr int kWarpGroups = 2;
   static constexpr int kBlockM = 64 * kWarpGroups;
   static constexpr int kBlockN = kBlockN_;
+  static constexpr int kKVBuffers = kKVBuffers_;
   static constexpr int kThreads = 128 * kWarpGroups;
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static constexpr int kKVOffset = kQueryTiles * QTile::kBytes;
-  static constexpr int kSegOffset = kKVOffset + 4 * KVTile::kBytes;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4 + 1024;
+  static constexpr int kSegOffset = kKVOffset + 2 * kKVBuffers * KVTile::kBytes;
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + kKVBuffers * kBlockN) * 4 + 1024;
 };
 
 struct QueryRows {

@@ -143,9 +143,12 @@ __device__ __forceinline__ float RowLse2(float lse, bool valid) {
 template <bool kSoftcap>
 __device__ __forceinline__ float GradWeight(float x, float pr) {
   if (!kSoftcap) return pr;
-  // x = tanh(score * scale / cap), so 1 - x^2 >= 0; the clamp takes a masked x = -inf to
-  // 0 (not 0 * -inf = NaN) in one instruction instead of a test and a select.
-  return pr * fmaxf(1.f - x * x, 0.f);
+  // x = tanh(score * scale / cap), so 1 - x^2 lies in [0, 1] and a saturating FMA (clamp
+  // to [0, 1]) computes it, taking a masked x = -inf to 0 (not 0 * -inf = NaN) in the same
+  // instruction: one per score instead of an FMA and a max.
+  float slope;
+  asm("fma.rn.sat.f32 %0, %1, %2, 0f3F800000;\n" : "=f"(slope) : "f"(-x), "f"(x));
+  return pr * slope;
 }
 
 // In place: x becomes p, dp becomes ds.

@@ -152,14 +152,14 @@ __device__ __forceinline__ KeyTile DecodeKeyTile(const AttentionParams& p, Flat 
   return k;
 }
 
-template <int A, int B, int C>
-__device__ __forceinline__ void Zero(float (&x)[A][B][C]) {
+template <typename E, int A, int B, int C>
+__device__ __forceinline__ void Zero(E (&x)[A][B][C]) {
 #pragma unroll
   for (int i = 0; i < A; ++i) {
 #pragma unroll
     for (int j = 0; j < B; ++j) {
 #pragma unroll
-      for (int k = 0; k < C; ++k) x[i][j][k] = 0.f;
+      for (int k = 0; k < C; ++k) x[i][j][k] = E(0);
     }
   }
 }
