@@ -177,6 +177,14 @@ __device__ __forceinline__ float FastExp2(float x) {
 // inputs round to fp16 (2^-12 relative) and the result is fp16 (2^-12 relative, plus the
 // approximation's ~2^-11): about 2^-10 relative on the capped logit, below a bf16 logit's
 // own rounding (2^-9) and close to tanh.approx.f32's 2^-10.99.
+// tanh of one value, tanh.approx.f32 (sm_75+): a MUFU op per logit, but none of the pair's
+// three conversions (to f16x2 and back), and 2^-10.99 relative precision.
+__device__ __forceinline__ float TanhF32(float x) {
+  float y;
+  asm("tanh.approx.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
+
 __device__ __forceinline__ void TanhPair(float& a, float& b) {
   const __half2 in = __floats2half2_rn(a, b);
   uint32_t out;

@@ -417,10 +417,11 @@ inline LogitScale MakeLogitScale(float scale, float cap, DType dtype) {
 
 // row_seg / col_seg: the segment ids of rows row0.. and columns col0.. staged in shared
 // memory, or nullptr without segment ids. kSoftcap is a template switch: the cap costs
-// half a MUFU op per logit, which the plain kernels must not carry. The mask is one branch per
+// half a MUFU op per logit (a whole one with kTanhF32, the Hopper forward's choice), which
+// the plain kernels must not carry. The mask is one branch per
 // tile around its own loop: a per-element `if (masked)` compiled to a branch per logit
 // that broke up the softmax's schedule (the maskable forward ran at 2/3 the plain one).
-template <bool kTransposed, int kN, bool kSoftcap>
+template <bool kTransposed, int kN, bool kSoftcap, bool kTanhF32 = false>
 __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitScale& ls,
                                          const Mask& mask, bool masked, int row0, int col0,
                                          const int32_t* row_seg, const int32_t* col_seg,
@@ -431,7 +432,12 @@ __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitSca
 #pragma unroll
       for (int e = 0; e < 4; e += 2) {
         float a = acc[j][e] * ls.tanh_in, b = acc[j][e + 1] * ls.tanh_in;
-        TanhPair(a, b);
+        if (kTanhF32) {
+          a = TanhF32(a);
+          b = TanhF32(b);
+        } else {
+          TanhPair(a, b);
+        }
         acc[j][e] = a;
         acc[j][e + 1] = b;
       }
