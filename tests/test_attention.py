@@ -469,6 +469,26 @@ def test_all_masked(implementation, rng):
     assert np.isfinite(g).all() and not g.any()
 
 
+@pytest.mark.parametrize("causal", (False, True), ids=("full", "causal"))
+@pytest.mark.parametrize("h", (64, 128))
+def test_segments_interleaved(h, causal, implementation, rng):
+  """Segment ids that alternate along both sequences (0, 1, 0, 1 ... in blocks of 128), so
+  that a query block's key tiles go seen, skipped, seen ...: the pipelined backward drains
+  its pending products at each skip and restarts after it (the packed-sequence tests, with
+  sorted ids, skip only before and after one run of tiles)."""
+  case = Case(1, 300, 700, 4, 2, h, jnp.bfloat16, Opts(causal=causal, segments=True))
+  q, k, v = make_qkv(rng, case)
+  q_seg = jnp.asarray((np.arange(case.t)[None] // 128) % 2, jnp.int32)
+  kv_seg = jnp.asarray((np.arange(case.s)[None] // 128) % 2, jnp.int32)
+  segs = (q_seg, kv_seg)
+  do = oracle.randn(rng, case.q_shape, case.dtype)
+  fn = kernel_fn(implementation, case.opts)
+  o = jax.jit(fn)(q, k, v, *segs)
+  grads = jax.jit(jax.grad(lambda q, k, v: loss(fn, q, k, v, segs, do), argnums=(0, 1, 2)))(
+      q, k, v)
+  check_all(case, implementation, q, k, v, segs, do, o, grads, what="interleaved: ")
+
+
 # ---- softcaps across the bounded softmax's range ------------------------------------------------
 
 # The Hopper forward subtracts a fixed offset instead of the row max when the cap's range

@@ -26,9 +26,6 @@ namespace jaxgpu::cuda {
 namespace attention {
 namespace {
 
-// Q alone before the K/V buffers; 128-key tiles, 64 at H = 256, where the output
-// accumulator is 128 floats a thread: 64-key tiles keep the score tile (32) and P (16)
-// beside it within the registers, and K/V buffers at 32 KB each.
 // The softcap's tanh, one tanh.approx.f32 per logit rather than attention_mma.cuh's
 // TanhPair (one f16x2 MUFU op per two logits, plus three conversions): after the bounded
 // softmax took the row max out of the forward, the MUFU had room and the conversions did
@@ -36,6 +33,9 @@ namespace {
 // 383 / 361 / 379 TFLOP/s, softcap alone 377 / 371 / 378. (The backward keeps the pair.)
 constexpr bool kFwdTanhF32 = true;
 
+// Q alone before the K/V buffers; 128-key tiles, 64 at H = 256, where the output
+// accumulator is 128 floats a thread: 64-key tiles keep the score tile (32) and P (16)
+// beside it within the registers, and K/V buffers at 32 KB each.
 template <int kHeadDim>
 struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, (kHeadDim > 128 ? 64 : 128), 1> {};
 
