@@ -318,17 +318,23 @@ def check_all(case: Case, implementation, q, k, v, segs, do, o, grads, what=""):
                  extra_atol=a)
 
 
-def run_case(case: Case, implementation, rng, jit=True):
-  q, k, v = make_qkv(rng, case)
-  segs = make_segments(rng, case)
-  do = oracle.randn(rng, case.q_shape, case.dtype)
+def run_inputs(case: Case, implementation, q, k, v, segs, do, jit=True, what=""):
+  """The op and its gradients on these inputs, checked by check_all: (o, (dq, dk, dv))."""
   fn = kernel_fn(implementation, case.opts)
   wrap = jax.jit if jit else (lambda f: f)
   o = wrap(fn)(q, k, v, *segs)
   assert o.shape == case.q_shape and o.dtype == case.dtype
   grads = wrap(jax.grad(lambda q, k, v, segs, do: loss(fn, q, k, v, segs, do),
                         argnums=(0, 1, 2)))(q, k, v, segs, do)
-  check_all(case, implementation, q, k, v, segs, do, o, grads)
+  check_all(case, implementation, q, k, v, segs, do, o, grads, what=what)
+  return o, grads
+
+
+def run_case(case: Case, implementation, rng, jit=True):
+  q, k, v = make_qkv(rng, case)
+  segs = make_segments(rng, case)
+  do = oracle.randn(rng, case.q_shape, case.dtype)
+  o, grads = run_inputs(case, implementation, q, k, v, segs, do, jit=jit)
   return q, k, v, segs, o, grads
 
 
@@ -441,10 +447,7 @@ def test_empty_rows(dtype, implementation, rng):
   q_seg[1] = 7                       # a whole sequence without keys
   segs = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
   do = oracle.randn(rng, case.q_shape, dtype)
-  fn = kernel_fn(implementation, case.opts)
-  o = jax.jit(fn)(q, k, v, *segs)
-  grads = jax.jit(jax.grad(lambda q, k, v: loss(fn, q, k, v, segs, do), argnums=(0, 1, 2)))(
-      q, k, v)
+  o, grads = run_inputs(case, implementation, q, k, v, segs, do, what="empty rows: ")
   empty = ~np_keep(case, q_seg, kv_seg)[:, 0].any(-1)   # (B, T)
   assert empty[0, 3:6].all() and empty[1].all() and empty[0, 16:].all()
   on = np.asarray(o, np.float32)
@@ -453,7 +456,6 @@ def test_empty_rows(dtype, implementation, rng):
                                        for g in grads)
   assert not on[empty].any() and not dq[empty].any()
   assert not np.asarray(grads[1], np.float32)[1].any()   # batch 1 sees nothing: dk = dv = 0
-  check_all(case, implementation, q, k, v, segs, do, o, grads, what="empty rows: ")
 
 
 def test_all_masked(implementation, rng):
@@ -480,13 +482,8 @@ def test_segments_interleaved(h, causal, implementation, rng):
   q, k, v = make_qkv(rng, case)
   q_seg = jnp.asarray((np.arange(case.t)[None] // 128) % 2, jnp.int32)
   kv_seg = jnp.asarray((np.arange(case.s)[None] // 128) % 2, jnp.int32)
-  segs = (q_seg, kv_seg)
   do = oracle.randn(rng, case.q_shape, case.dtype)
-  fn = kernel_fn(implementation, case.opts)
-  o = jax.jit(fn)(q, k, v, *segs)
-  grads = jax.jit(jax.grad(lambda q, k, v: loss(fn, q, k, v, segs, do), argnums=(0, 1, 2)))(
-      q, k, v)
-  check_all(case, implementation, q, k, v, segs, do, o, grads, what="interleaved: ")
+  run_inputs(case, implementation, q, k, v, (q_seg, kv_seg), do, what="interleaved: ")
 
 
 # ---- softcaps across the bounded softmax's range ------------------------------------------------
@@ -515,11 +512,7 @@ def test_softcap_ranges(dtype, cap, h, implementation, rng):
   q, k = (jnp.asarray(a.astype(np.float32)).astype(dtype) for a in (q, k))
   v = oracle.randn(rng, case.kv_shape, dtype)
   do = oracle.randn(rng, case.q_shape, dtype)
-  fn = kernel_fn(implementation, case.opts)
-  o = jax.jit(fn)(q, k, v)
-  grads = jax.jit(jax.grad(lambda q, k, v: loss(fn, q, k, v, (), do), argnums=(0, 1, 2)))(
-      q, k, v)
-  check_all(case, implementation, q, k, v, (), do, o, grads, what=f"cap {cap:g}: ")
+  run_inputs(case, implementation, q, k, v, (), do, what=f"cap {cap:g}: ")
 
 
 # ---- determinism, forward mode, lowering ------------------------------------------------------

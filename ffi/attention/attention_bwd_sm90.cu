@@ -98,6 +98,13 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   uint32_t ds_frags[kN / 16][1][4];  // dS of the last computed tile, pending its product
   bool pending = false;
   int pending_buf = 0;
+  auto finish_pending = [&](uint64_t k_mn) {  // dQ += dS K on its own, waited for
+    sm90::Fence();
+    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_mn);
+    sm90::Commit();
+    sm90::Wait<0>();
+    sm90::KeepOrder(acc_dq[0]);
+  };
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kN;
     const int buf = (nb - n_begin) % kBuf;
@@ -150,21 +157,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       pending = true;
       pending_buf = buf;
     } else if (pending) {
-      sm90::Fence();
-      sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, pending_k);
-      sm90::Commit();
-      sm90::Wait<0>();
-      sm90::KeepOrder(acc_dq[0]);
+      finish_pending(pending_k);
       pending = false;
     }
   }
-  if (pending) {  // tile n_end - 1's buffer: no copy overwrites it any more
-    sm90::Fence();
-    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_desc_mn + pending_buf * kBufferStep);
-    sm90::Commit();
-    sm90::Wait<0>();
-    sm90::KeepOrder(acc_dq[0]);
-  }
+  // Tile n_end - 1's buffer: no copy overwrites it any more.
+  if (pending) finish_pending(k_desc_mn + pending_buf * kBufferStep);
   // Times the softmax scale: dS was taken with respect to the scaled logits.
   T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
   StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, rows.local_row0, mask.q_len - m0, 0,

@@ -66,7 +66,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const T* v = static_cast<const T*>(p.v) + off.kv;
 
   float acc_o[1][kD / 8][4];
-  float row_max[1][2] = {{-INFINITY, -INFINITY}}, row_sum[1][2] = {{0.f, 0.f}};
+  // kBounded: the rows' offset is the bound itself, in the log2 domain (fold 1 below).
+  const float max0 = kBounded ? ls.bound : -INFINITY;
+  float row_max[1][2] = {{max0, max0}}, row_sum[1][2] = {{0.f, 0.f}};
   Zero(acc_o);
 
   // Descriptors: Q rows of this warpgroup; K and V of buffer 0 (buffer 1 is KVTile::kBytes
@@ -174,14 +176,9 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
-  if constexpr (kBounded) {  // the rows' offset is the bound itself (log2 domain: fold 1)
-    const float bound[1][2] = {{ls.bound, ls.bound}};
-    StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, bound, row_sum, 1.f,
-                              rows.local_row0, m0, mask.q_len, rows.dim, lane);
-  } else {
-    StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum,
-                              ls.fold, rows.local_row0, m0, mask.q_len, rows.dim, lane);
-  }
+  StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum,
+                            kBounded ? 1.f : ls.fold, rows.local_row0, m0, mask.q_len, rows.dim,
+                            lane);
 #endif
 }
 
