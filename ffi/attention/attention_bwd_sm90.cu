@@ -24,9 +24,13 @@ namespace {
 // Q and dO before the K/V buffers. Keys per tile: 128 at H = 64 (bwd 216 -> 226 TFLOP/s on
 // the H100 against 64-key tiles); 64 at H = 128, where 128 measured no faster (265 both)
 // and the S and dP tiles (2 x 64 floats a thread) beside the 64 dQ accumulators make ptxas
-// spill.
+// spill. 32 at H = 256: the dQ accumulator is 128 floats a thread, and Q, dO (64 KB each)
+// with three K/V buffers of 32 KB fill the 227 KB of shared memory (bwd 115 -> 145
+// TFLOP/s against the mma.sync dQ, T = 4096; dQ += dS K is two 128-column products).
 template <int kHeadDim>
-struct Sm90DqTraits : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : 64, 2, 3> {};
+struct Sm90DqTraits
+    : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2,
+                            3> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -100,7 +104,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int pending_buf = 0;
   auto finish_pending = [&](uint64_t k_mn) {  // dQ += dS K on its own, waited for
     sm90::Fence();
-    sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, k_mn);
+    sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(acc_dq[0], ds_frags, k_mn);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_dq[0]);
@@ -136,7 +140,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
           dp[0], do_desc, v_desc + buf * kBufferStep, false);
       sm90::Commit();
       sm90::Fence();
-      sm90::ProductRS<T, kD, kN>(acc_dq[0], ds_frags, pending_k);
+      sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(acc_dq[0], ds_frags, pending_k);
       sm90::Commit();
       sm90::Wait<1>();  // S and dP ready; the previous tile's dQ product may still run
       sm90::KeepOrder(s[0]);
@@ -176,7 +180,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DqTraits>(p, [&](auto config) {
+  return DispatchSm90<Sm90DqTraits, 256>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
         DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);

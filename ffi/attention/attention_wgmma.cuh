@@ -136,6 +136,14 @@ __device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
 // `accumulate` flag's.
 #define JAXGPU_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 
+#define JAXGPU_WGMMA_REGS_N32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define JAXGPU_WGMMA_OUT_N32(d) \
+  JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3)
+#define JAXGPU_WGMMA_SS_IN_N32 "%16, %17"
+#define JAXGPU_WGMMA_SS_FLAG_N32 "%18"
+#define JAXGPU_WGMMA_RS_IN_N32 "{%16, %17, %18, %19}, %20"
+#define JAXGPU_WGMMA_RS_FLAG_N32 "%21"
+
 #define JAXGPU_WGMMA_REGS_N64 \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
@@ -173,7 +181,7 @@ __device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
                : JAXGPU_WGMMA_OUT_N##N(d)                                                     \
                : __VA_ARGS__, "r"(static_cast<int>(accumulate)))
 
-// d (+)= A B for a warpgroup's 64 x N tile (N = 64 or 128), k = 16. accumulate = false
+// d (+)= A B for a warpgroup's 64 x N tile (N = 32, 64 or 128), k = 16. accumulate = false
 // overwrites d. SS: A and B K-major in shared memory (descriptors). RS: A in registers (the
 // warp's m16n8k16 A fragment), B MN-major in shared memory.
 template <typename T, int N>
@@ -202,8 +210,10 @@ struct Wgmma;
     }                                                                                      \
   };
 
+JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 32)
 JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 64)
 JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 128)
+JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 32)
 JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 64)
 JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 128)
 
