@@ -377,8 +377,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
 template <typename T, typename Dq, typename Dkv, bool kMaskable, bool kSoftcap>
 cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  // wgmma kernels (sm_90a): dQ at padded head dims up to 256, dK/dV up to 128.
-  const bool sm90_dq = AttentionSm90Applies(p, 256), sm90 = AttentionSm90Applies(p);
+  const bool sm90 = AttentionSm90Applies(p);  // the wgmma kernels (sm_90a)
   const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
   if (q_rows > 0) {
     const int64_t blocks = CeilDiv(q_rows * 32, 256);
@@ -386,7 +385,7 @@ cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
     DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
     JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
 
-    if (sm90_dq) {
+    if (sm90) {
       JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));
     } else {
       JAXGPU_RETURN_IF_CUDA_ERROR(

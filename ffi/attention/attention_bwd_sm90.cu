@@ -26,7 +26,8 @@ namespace {
 // and the S and dP tiles (2 x 64 floats a thread) beside the 64 dQ accumulators make ptxas
 // spill. 32 at H = 256: the dQ accumulator is 128 floats a thread, and Q, dO (64 KB each)
 // with three K/V buffers of 32 KB fill the 227 KB of shared memory (bwd 115 -> 145
-// TFLOP/s against the mma.sync dQ, T = 4096; dQ += dS K is two 128-column products).
+// TFLOP/s against the mma.sync dQ, T = 4096, the dK/dV still mma.sync then; dQ += dS K is
+// two 128-column products).
 template <int kHeadDim>
 struct Sm90DqTraits
     : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2,
@@ -180,7 +181,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DqTraits, 256>(p, [&](auto config) {
+  return DispatchSm90<Sm90DqTraits>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
         DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);

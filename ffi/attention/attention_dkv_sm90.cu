@@ -4,13 +4,14 @@
 // order), chosen at launch where AttentionSm90Applies.
 //
 // One CTA owns 128 keys of one kv head: two warpgroups of 64 keys. K and V are loaded once;
-// the CTA then walks (query head of the group, 64-query tile) steps, whose Q, dO, lse and
-// delta are copied kBuffers - 1 steps ahead. Per step a warpgroup computes, with keys as
-// the MMA's rows,
+// the CTA then walks (query head of the group, 64-query tile; 32 at H = 256) steps, whose
+// Q, dO, lse and delta are copied kBuffers - 1 steps ahead. Per step a warpgroup computes,
+// with keys as the MMA's rows,
 //   S^T = K Q^T and dP^T = V dO^T   (both operands read from shared memory, K-major),
 //   P^T and dS^T in registers       (attention_softmax.cuh's ProbsAndGrads, per column),
 //   dV += P^T dO and dK += dS^T Q   (P^T, dS^T from registers; dO, Q as MN-major operands),
-// so each thread holds its 16 keys' rows of both dV and dK (H floats) across the loop.
+// so each thread holds its 16 keys' rows of both dV and dK (H floats; at H = 256 the CTA's
+// 128-column slice of them) across the loop.
 #include <cuda_runtime.h>
 
 #include "attention/attention_cuda.h"
@@ -25,11 +26,18 @@ namespace {
 
 template <int kHeadDim_>
 struct Sm90DkvTraits {
-  static constexpr int kHeadDim = kHeadDim_;  // 64 or 128
+  static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256
   static constexpr int kWarpGroups = 2;
   static constexpr int kBlockN = 64 * kWarpGroups;  // keys per CTA
-  static constexpr int kBlockM = 64;                // queries per step
-  static constexpr int kSlices = 1;                 // the whole head dim in each CTA
+  // At H = 256, dK and dV of 64 keys x 256 columns would be 256 floats a thread: a CTA
+  // takes one 128-column slice of them (kSlices CTAs per key tile, each recomputing S and
+  // dP over the whole head dim), and 32-query steps, so that K, V (64 KB each) and three
+  // Q/dO buffers (32 KB each) fit the 227 KB of shared memory. The H100 measured it at
+  // 2.2x the mma.sync dK/dV's speed even with S and dP computed twice (bwd 115 -> 255
+  // TFLOP/s, T = 4096, with the wgmma dQ).
+  static constexpr int kBlockM = kHeadDim <= 128 ? 64 : 32;  // queries per step
+  static constexpr int kSlices = kHeadDim <= 128 ? 1 : 2;
+  static constexpr int kAccDim = kHeadDim / kSlices;  // dK / dV columns of a CTA
   static constexpr int kThreads = 128 * kWarpGroups;
   // Q/dO buffers: the copies of the next kBuffers - 1 steps run under this step's products.
   static constexpr int kBuffers = 3;
@@ -47,6 +55,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     DkvSm90Kernel(AttentionParams p, LogitScale ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kBuffers;
+  constexpr int kAcc = Tr::kAccDim;
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -64,7 +73,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
 
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
-  const KeyTile tile = DecodeKeyTile<kMaskable>(p, blockIdx.x, n_blocks);
+  const int slice = Tr::kSlices > 1 ? static_cast<int>(blockIdx.x % Tr::kSlices) : 0;
+  const KeyTile tile = DecodeKeyTile<kMaskable>(p, blockIdx.x / Tr::kSlices, n_blocks);
   const Mask mask = MakeMask(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
@@ -76,7 +86,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const T* q = static_cast<const T*>(p.q);
   const T* d_o = static_cast<const T*>(p.d_o);
 
-  float acc_dv[1][kD / 8][4], acc_dk[1][kD / 8][4];
+  float acc_dv[1][kAcc / 8][4], acc_dk[1][kAcc / 8][4];
   Zero(acc_dv);
   Zero(acc_dk);
 
@@ -93,9 +103,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const uint64_t v_desc = sm90::SwizzledDescriptor(sv + 64 * group * 128, 16, 1024);
   const uint64_t q_desc = sm90::SwizzledDescriptor(sqdo, 16, 1024);
   const uint64_t do_desc = sm90::SwizzledDescriptor(sqdo + QTile::kBytes, 16, 1024);
-  const uint64_t q_desc_mn = sm90::SwizzledDescriptor(sqdo, QTile::kBlockBytes, 1024);
+  // The MN-major ones start at this CTA's slice: kAcc / 64 column blocks in.
+  const int slice_bytes = slice * (kAcc / 64) * QTile::kBlockBytes;
+  const uint64_t q_desc_mn =
+      sm90::SwizzledDescriptor(sqdo + slice_bytes, QTile::kBlockBytes, 1024);
   const uint64_t do_desc_mn =
-      sm90::SwizzledDescriptor(sqdo + QTile::kBytes, QTile::kBlockBytes, 1024);
+      sm90::SwizzledDescriptor(sqdo + QTile::kBytes + slice_bytes, QTile::kBlockBytes, 1024);
   constexpr uint64_t kBufferStep = 2 * QTile::kBytes / 16;
 
   using StepCursor = GroupStepCursor<kBuf>;
@@ -180,8 +193,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     PackProbs<T, kM, 1>(p_frags, s);
     PackProbs<T, kM, 1>(ds_frags, dp);
     sm90::Fence();
-    sm90::ProductRS<T, kD, kM>(acc_dv[0], p_frags, do_desc_mn + buf * kBufferStep);
-    sm90::ProductRS<T, kD, kM>(acc_dk[0], ds_frags, q_desc_mn + buf * kBufferStep);
+    sm90::ProductRS<T, kAcc, kM>(acc_dv[0], p_frags, do_desc_mn + buf * kBufferStep);
+    sm90::ProductRS<T, kAcc, kM>(acc_dk[0], ds_frags, q_desc_mn + buf * kBufferStep);
     sm90::Commit();
     sm90::Wait<0>();
     sm90::KeepOrder(acc_dv[0]);
@@ -190,10 +203,11 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   CpAsyncWait<0>();  // no copy outlives the CTA
   // dK times the softmax scale: dS was taken with respect to the scaled logits.
   const int64_t out = off0.kv + n0 * off0.kv_ld;
-  StoreAccumulator<T, kD>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f, local_key0,
-                          mask.kv_len - n0, 0, H, lane);
-  StoreAccumulator<T, kD>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale,
-                          local_key0, mask.kv_len - n0, 0, H, lane);
+  const int col0 = slice * kAcc;
+  StoreAccumulator<T, kAcc>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f,
+                            local_key0, mask.kv_len - n0, col0, H, lane);
+  StoreAccumulator<T, kAcc>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale,
+                            local_key0, mask.kv_len - n0, col0, H, lane);
 #endif
 }
 

@@ -137,7 +137,7 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
-  if (AttentionSm90Applies(p, 256)) return LaunchAttentionFwdSm90(p, stream);
+  if (AttentionSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).

@@ -185,7 +185,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }  // namespace
 }  // namespace attention
 
-bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim) {
+bool AttentionSm90Applies(const AttentionParams& p) {
 #ifdef JAXGPU_HAS_SM90A
   // JAXGPU_ATTENTION_MMA_SYNC=1 forces the portable kernels (tests and comparisons).
   static const bool forced_off = [] {
@@ -194,9 +194,7 @@ bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim) {
   }();
   if (forced_off) return false;
   const int padded = attention::PaddedHeadDim(p.head_dim);
-  if (padded != 64 && padded != 128 && !(padded == 256 && max_padded_head_dim >= 256)) {
-    return false;
-  }
+  if (padded != 64 && padded != 128 && padded != 256) return false;
   int device = 0, major = 0, minor = 0;
   if (cudaGetDevice(&device) != cudaSuccess) return false;
   if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
@@ -214,7 +212,7 @@ bool AttentionSm90Applies(const AttentionParams& p, int max_padded_head_dim) {
 cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);
-  return DispatchSm90<Sm90FwdTraits, 256>(p, [&](auto config) {
+  return DispatchSm90<Sm90FwdTraits>(p, [&](auto config) {
     using C = decltype(config);
     return JAXGPU_BOOL_SWITCH(bounded, kBounded, [&] {
       return LaunchOverQueryTiles<typename C::Traits>(

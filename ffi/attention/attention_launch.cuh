@@ -92,9 +92,9 @@ struct Sm90Config {
 };
 
 // The Hopper kernels' compile-time switches: launch(Sm90Config<...>{}) with the element
-// type, Traits<64>, Traits<128> or (kMaxHeadDim 256) Traits<256> by the padded head dim, and
-// the two kernel switches (the mask decided on Tr's key tile).
-template <template <int> class Traits, int kMaxHeadDim = 128, typename Launch>
+// type, Traits<64>, Traits<128> or Traits<256> by the padded head dim, and the two kernel
+// switches (the mask decided on Tr's key tile).
+template <template <int> class Traits, typename Launch>
 cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     auto run = [&](auto traits) {
@@ -106,9 +106,7 @@ cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
       });
     };
     const int padded = PaddedHeadDim(p.head_dim);
-    if constexpr (kMaxHeadDim >= 256) {
-      if (padded == 256) return run(Traits<256>{});
-    }
+    if (padded == 256) return run(Traits<256>{});
     return padded == 64 ? run(Traits<64>{}) : run(Traits<128>{});
   });
 }
