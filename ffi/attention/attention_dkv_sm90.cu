@@ -32,9 +32,9 @@ struct Sm90DkvTraits {
   // At H = 256, dK and dV of 64 keys x 256 columns would be 256 floats a thread: a CTA
   // takes one 128-column slice of them (kSlices CTAs per key tile, each recomputing S and
   // dP over the whole head dim), and 32-query steps, so that K, V (64 KB each) and three
-  // Q/dO buffers (32 KB each) fit the 227 KB of shared memory. The H100 measured it at
-  // 2.2x the mma.sync dK/dV's speed even with S and dP computed twice (bwd 115 -> 255
-  // TFLOP/s, T = 4096, with the wgmma dQ).
+  // Q/dO buffers (32 KB each) fit the 227 KB of shared memory. Against the mma.sync dK/dV
+  // (which slices too), even with S and dP computed twice: H100, T = 4096, the dQ on wgmma
+  // in both, bwd 145 -> 255 TFLOP/s.
   static constexpr int kBlockM = kHeadDim <= 128 ? 64 : 32;  // queries per step
   static constexpr int kSlices = kHeadDim <= 128 ? 1 : 2;
   static constexpr int kAccDim = kHeadDim / kSlices;  // dK / dV columns of a CTA
@@ -73,7 +73,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   const int local_key0 = 64 * group + 16 * (warp & 3);  // the warp's first key in the tile
 
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
-  const int slice = Tr::kSlices > 1 ? static_cast<int>(blockIdx.x % Tr::kSlices) : 0;
+  const int slice = blockIdx.x % Tr::kSlices;
   const KeyTile tile = DecodeKeyTile<kMaskable>(p, blockIdx.x / Tr::kSlices, n_blocks);
   const Mask mask = MakeMask(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;

@@ -64,7 +64,8 @@ cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles,
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(heads, tiles, &grid));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, MakeLogitScale(p.scale, p.softcap, p.dtype));
+  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
+      p, MakeLogitScale(p.scale, p.softcap, p.dtype));
   return cudaGetLastError();
 }
 

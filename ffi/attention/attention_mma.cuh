@@ -170,13 +170,6 @@ __device__ __forceinline__ float FastExp2(float x) {
   return y;
 }
 
-// tanh of two values with one MUFU op: tanh.approx.f16x2 (sm_75+). The softmax's ex2 per
-// logit already runs on the MUFU (16 ops/clk/SM); a softcap's tanh.approx.f32 per logit
-// doubled that unit's load, the packed form adds half (H100, H = 128, T = 4096, softcap +
-// segment ids: backward 190 -> 200 TFLOP/s, forward unchanged at ~275). Precision: the
-// inputs round to fp16 (2^-12 relative) and the result is fp16 (2^-12 relative, plus the
-// approximation's ~2^-11): about 2^-10 relative on the capped logit, below a bf16 logit's
-// own rounding (2^-9) and close to tanh.approx.f32's 2^-10.99.
 // tanh of one value, tanh.approx.f32 (sm_75+): a MUFU op per logit, but none of the pair's
 // three conversions (to f16x2 and back), and 2^-10.99 relative precision.
 __device__ __forceinline__ float TanhF32(float x) {
@@ -185,6 +178,13 @@ __device__ __forceinline__ float TanhF32(float x) {
   return y;
 }
 
+// tanh of two values with one MUFU op: tanh.approx.f16x2 (sm_75+). The softmax's ex2 per
+// logit already runs on the MUFU (16 ops/clk/SM); a softcap's tanh.approx.f32 per logit
+// doubled that unit's load, the packed form adds half (H100, H = 128, T = 4096, softcap +
+// segment ids: backward 190 -> 200 TFLOP/s, forward unchanged at ~275). Precision: the
+// inputs round to fp16 (2^-12 relative) and the result is fp16 (2^-12 relative, plus the
+// approximation's ~2^-11): about 2^-10 relative on the capped logit, below a bf16 logit's
+// own rounding (2^-9) and close to tanh.approx.f32's 2^-10.99.
 __device__ __forceinline__ void TanhPair(float& a, float& b) {
   const __half2 in = __floats2half2_rn(a, b);
   uint32_t out;

@@ -11,6 +11,24 @@
 
 namespace jaxgpu::cuda::attention {
 
+// Row half h (row g, or g + 8) of a warp's 16-row score tile becomes exp2(x * fold - base),
+// one FFMA and one ex2 per logit; returns the half row's sum (both softmaxes below).
+template <int kN>
+__device__ __forceinline__ float ExpRowHalf(float (&acc_s)[kN / 8][4], int h, float fold,
+                                            float base) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+    for (int c = 0; c < 2; ++c) {
+      const float pe = FastExp2(fmaf(acc_s[j][2 * h + c], fold, -base));
+      acc_s[j][2 * h + c] = pe;
+      sum += pe;
+    }
+  }
+  return sum;
+}
+
 // Online softmax over one key tile, in the log2 domain, for one of a warp's row tiles of
 // 16 rows (rows g and g + 8, reduced over the quad). acc_s holds ToLogits's output and
 // becomes the unnormalized probabilities; correction is what the output accumulator's rows
@@ -31,17 +49,7 @@ __device__ __forceinline__ void OnlineSoftmax(float (&acc_s)[kN / 8][4], float (
     const float base = mx == -INFINITY ? 0.f : mx * fold;
     correction[h] = FastExp2(row_max[h] * fold - base);
     row_max[h] = mx;
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float pe = FastExp2(fmaf(acc_s[j][2 * h + c], fold, -base));
-        acc_s[j][2 * h + c] = pe;
-        sum += pe;
-      }
-    }
-    row_sum[h] = row_sum[h] * correction[h] + sum;
+    row_sum[h] = row_sum[h] * correction[h] + ExpRowHalf<kN>(acc_s, h, fold, base);
   }
 }
 
@@ -53,19 +61,7 @@ template <int kN>
 __device__ __forceinline__ void BoundedSoftmax(float (&acc_s)[kN / 8][4], float (&row_sum)[2],
                                                const LogitScale& ls) {
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    float sum = 0.f;
-#pragma unroll
-    for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-      for (int c = 0; c < 2; ++c) {
-        const float pe = FastExp2(fmaf(acc_s[j][2 * h + c], ls.fold, -ls.bound));
-        acc_s[j][2 * h + c] = pe;
-        sum += pe;
-      }
-    }
-    row_sum[h] += sum;
-  }
+  for (int h = 0; h < 2; ++h) row_sum[h] += ExpRowHalf<kN>(acc_s, h, ls.fold, ls.bound);
 }
 
 // acc_o's rows times the softmax's correction.

@@ -136,7 +136,8 @@ __device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
 // `accumulate` flag's.
 #define JAXGPU_WGMMA_D4(d, j) "+f"(d[j][0]), "+f"(d[j][1]), "+f"(d[j][2]), "+f"(d[j][3])
 
-#define JAXGPU_WGMMA_REGS_N32 "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
+#define JAXGPU_WGMMA_REGS_N32 \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}"
 #define JAXGPU_WGMMA_OUT_N32(d) \
   JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3)
 #define JAXGPU_WGMMA_SS_IN_N32 "%16, %17"
