@@ -37,7 +37,6 @@ struct Sm90DkvTraits {
   // in both, bwd 145 -> 255 TFLOP/s.
   static constexpr int kBlockM = kHeadDim <= 128 ? 64 : 32;  // queries per step
   static constexpr int kSlices = kHeadDim <= 128 ? 1 : 2;
-  static constexpr int kAccDim = kHeadDim / kSlices;  // dK / dV columns of a CTA
   static constexpr int kThreads = 128 * kWarpGroups;
   // Q/dO buffers: the copies of the next kBuffers - 1 steps run under this step's products.
   static constexpr int kBuffers = 3;
@@ -55,7 +54,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     DkvSm90Kernel(AttentionParams p, LogitScale ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kBuffers;
-  constexpr int kAcc = Tr::kAccDim;
+  constexpr int kAcc = kD / Tr::kSlices;  // the dK / dV columns of this CTA
   using KVTile = typename Tr::KVTile;
   using QTile = typename Tr::QTile;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
