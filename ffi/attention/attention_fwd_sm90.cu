@@ -31,7 +31,7 @@ namespace {
 // softmax took the row max out of the forward, the MUFU had room and the conversions did
 // not. H100, H = 128, T = 4096, same run, builds A / B / A: softcap + segment ids forward
 // 383 / 361 / 379 TFLOP/s, softcap alone 377 / 371 / 378. (The backward keeps the pair.)
-constexpr bool kFwdTanhF32 = true;
+[[maybe_unused]] constexpr bool kFwdTanhF32 = true;
 
 // Q alone before the K/V buffers; 128-key tiles, 64 at H = 256, where the output
 // accumulator is 128 floats a thread: 64-key tiles keep the score tile (32) and P (16)
@@ -204,7 +204,6 @@ bool AttentionSm90Applies(const AttentionParams& p) {
   return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
 #else
   (void)p;
-  (void)max_padded_head_dim;
   return false;
 #endif
 }
