@@ -31,7 +31,7 @@ namespace {
 template <int kHeadDim>
 struct Sm90DqTraits
     : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2,
-                            3> {};
+                            3, true> {};
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
@@ -46,7 +46,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   unsigned char* sdo = smem + QTile::kBytes;
   unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
   int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
-  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
+  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]: the buffer's key tile
+  int32_t* skv_seg_next = skv_seg + kBuf * kN;  // [buffer][kN]: the tile after it
 
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
@@ -82,7 +83,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                                   mask.kv_len - row0, rows.dim);
     sm90::LoadSwizzledAsync<kN, kD, Tr::kThreads>(dst + KVTile::kBytes, v + row0 * off.kv_ld,
                                                   off.kv_ld, mask.kv_len - row0, rows.dim);
-    if (rows.segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+    if (rows.segments) {
+      LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, row0, mask.kv_len, kN);
+      LoadRowWordsAsync(skv_seg_next + buf * kN, mask.kv_seg, row0 + kN, mask.kv_len, kN);
+    }
   };
   if (n_begin < n_end) {
     const int64_t first = off.q + m0 * off.q_ld;
@@ -110,6 +114,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::Wait<0>();
     sm90::KeepOrder(acc_dq[0]);
   };
+  // Segment ranges: of this warpgroup's 64 queries, and of the key tile the loop is at,
+  // which each tile reduces for the next one (from skv_seg_next) under its own products.
+  // Both are the same in the warpgroup's 4 warps, so its skips need no vote.
+  SegmentRange queries_range{0, 0}, tile_range{0, 0};
+  if (rows.segments && n_begin < n_end) {
+    CpAsyncWait<0>();
+    __syncthreads();  // the first group: the query ids and tile n_begin's key ids
+    queries_range = WarpSegmentRange(sq_seg + 64 * rows.group, 64, lane);
+    tile_range = WarpSegmentRange(skv_seg, kN, lane);
+  }
   for (int nb = n_begin; nb < n_end; ++nb) {
     const int n0 = nb * kN;
     const int buf = (nb - n_begin) % kBuf;
@@ -120,14 +134,15 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       load_kv(nb + 1, (buf + 1) % kBuf);
       CpAsyncCommit();
     }
-    bool compute = !rows.walk.WarpSkips(n0, kN);  // the same for the whole warpgroup
-    TileMasking tm{false, false, nullptr, nullptr};
-    if (compute) {
-      tm = DecideMasking<kMaskable>(mask, rows.segments, rows.warp_row0, rows.warp_row1, n0,
-                                    n0 + kN - 1, sq_seg + rows.local_row0, 16,
-                                    skv_seg + buf * kN, kN, lane);
-      compute = !(rows.segments && sm90::WarpgroupAll(tm.skip, rows.group));
-    }
+    const SegmentRange keys_range = tile_range;
+    auto reduce_next_range = [&] {
+      if (rows.segments) tile_range = WarpSegmentRange(skv_seg_next + buf * kN, kN, lane);
+    };
+    const TileMasking tm = DecideMaskingInRanges<kMaskable>(
+        mask, rows.segments, rows.warp_row0, rows.warp_row1, n0, n0 + kN - 1,
+        sq_seg + rows.local_row0, queries_range, skv_seg + buf * kN, keys_range);
+    // Both the same for the whole warpgroup.
+    const bool compute = !rows.walk.WarpSkips(n0, kN) && !tm.skip;
     const uint64_t pending_k = k_desc_mn + (pending ? pending_buf : buf) * kBufferStep;
     if (compute) {
       // No product pending: a product of zeros instead of a branch. (Zeroing ds_frags
@@ -143,6 +158,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::Fence();
       sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(acc_dq[0], ds_frags, pending_k);
       sm90::Commit();
+      reduce_next_range();
       sm90::Wait<1>();  // S and dP ready; the previous tile's dQ product may still run
       sm90::KeepOrder(s[0]);
       sm90::KeepOrder(dp[0]);
@@ -161,9 +177,12 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       PackProbs<T, kN, 1>(ds_frags, dp);
       pending = true;
       pending_buf = buf;
-    } else if (pending) {
-      finish_pending(pending_k);
-      pending = false;
+    } else {
+      reduce_next_range();
+      if (pending) {
+        finish_pending(pending_k);
+        pending = false;
+      }
     }
   }
   // Tile n_end - 1's buffer: no copy overwrites it any more.

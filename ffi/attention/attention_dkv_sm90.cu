@@ -43,10 +43,11 @@ struct Sm90DkvTraits {
   using KVTile = sm90::SwizzledTile<kBlockN, kHeadDim>;
   using QTile = sm90::SwizzledTile<kBlockM, kHeadDim>;
   // K, V, then kBuffers x (Q, dO), then the StepWords; plus the 1024-byte swizzle alignment.
-  using Words = StepWords<kBlockN, kBlockM>;
+  using Words = StepWords<kBlockN, kBlockM, true>;
   static constexpr int kQOffset = 2 * KVTile::kBytes;
   static constexpr int kWordOffset = kQOffset + 2 * kBuffers * QTile::kBytes;
   static constexpr int kSmemBytes = kWordOffset + Words::Bytes(kBuffers) + 1024;
+  static_assert(kSmemBytes <= sm90::kMaxSmemBytes, "shared memory");
 };
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
@@ -115,13 +116,14 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int64_t head = off0.q + c.r * p.head_dim;
     const int64_t stats = off0.stats + c.r * p.q_len;
     const int m0 = (m_begin + c.tile) * kM;
+    const int m0_next = (m_begin + (c.tile + 1 == m_count ? 0 : c.tile + 1)) * kM;
     unsigned char* dst = sqdo + 2 * c.buf * QTile::kBytes;
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst, q + head + m0 * off0.q_ld, off0.q_ld,
                                                   mask.q_len - m0, H);
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst + QTile::kBytes,
                                                   d_o + head + m0 * off0.q_ld, off0.q_ld,
                                                   mask.q_len - m0, H);
-    words.LoadStep(c.buf, p, mask, segments, stats, m0);
+    words.LoadStep(c.buf, p, mask, segments, stats, m0, m0_next);
   };
   // One copy group per step (empty past the last step), so that "step i's copies are done"
   // is always CpAsyncWait<kBuf - 2>.
@@ -143,6 +145,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (segments) LoadRowWordsAsync(skv_seg, mask.kv_seg, n0, mask.kv_len, kN);
     for (int i = 0; i < kBuf - 1; ++i) load_next();  // K, V go with step 0's group
   }
+  // Segment ranges: of this warpgroup's 64 keys, and of the queries of the step the loop is
+  // at, which each step reduces for the next one (from NextQSeg) under its own products.
+  // Both are the same in the warpgroup's 4 warps, so its skips need no vote.
+  SegmentRange keys_range{0, 0}, step_range{0, 0};
+  if (segments && steps > 0) {
+    CpAsyncWait<kBuf - 2>();
+    __syncthreads();  // step 0's group, with the keys' ids
+    keys_range = WarpSegmentRange(skv_seg + 64 * group, 64, lane);
+    step_range = WarpSegmentRange(words.QSeg(0), kM, lane);
+  }
   StepCursor cur;
   for (int i = 0; i < steps; ++i) {
     CpAsyncWait<kBuf - 2>();
@@ -154,11 +166,17 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int m0 = (m_begin + cur.tile) * kM;
     const int buf = cur.buf;
     cur.Next(m_count);
-    if (walk.WarpSkips(m0, kM)) continue;  // the same for the whole warpgroup
-    const TileMasking tm = DecideMasking<kMaskable>(
+    const SegmentRange queries_range = step_range;
+    auto reduce_next_range = [&] {
+      if (segments) step_range = WarpSegmentRange(words.NextQSeg(buf), kM, lane);
+    };
+    const TileMasking tm = DecideMaskingInRanges<kMaskable>(
         mask, segments, m0, min(m0 + kM, mask.q_len) - 1, warp_key0, warp_key0 + 15,
-        skv_seg + local_key0, 16, words.QSeg(buf), kM, lane);
-    if (segments && sm90::WarpgroupAll(tm.skip, group)) continue;
+        skv_seg + local_key0, keys_range, words.QSeg(buf), queries_range);
+    if (walk.WarpSkips(m0, kM) || tm.skip) {  // both the same for the whole warpgroup
+      reduce_next_range();
+      continue;
+    }
 
     float s[1][kM / 8][4], dp[1][kM / 8][4];
     sm90::Fence();
@@ -167,6 +185,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::ProductSS<T, kM, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
         dp[0], v_desc, do_desc + buf * kBufferStep, false);
     sm90::Commit();
+    reduce_next_range();
     sm90::Wait<0>();
     sm90::KeepOrder(s[0]);
     sm90::KeepOrder(dp[0]);

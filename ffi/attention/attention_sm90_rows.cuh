@@ -14,9 +14,11 @@ namespace jaxgpu::cuda::attention::sm90 {
 // Tile shapes and shared-memory layout of a Hopper kernel over query tiles: 2 warpgroups x
 // 64 query rows, kBlockN-key tiles; kQueryTiles 128-row tiles (Q, or Q and dO), then
 // kKVBuffers buffers of (K, V), then the segment ids of the query tile and of kKVBuffers
-// key tiles, and 1024 bytes to round the dynamic allocation up to the swizzle period
+// key tiles (with kNextKeyIds, then of the key tile after each: the dQ kernel decides a
+// tile ahead), and 1024 bytes to round the dynamic allocation up to the swizzle period
 // (SwizzleAligned).
-template <int kHeadDim_, int kBlockN_, int kQueryTiles, int kKVBuffers_ = 2>
+template <int kHeadDim_, int kBlockN_, int kQueryTiles, int kKVBuffers_ = 2,
+          bool kNextKeyIds = false>
 struct QueryTileTraits {
   static constexpr int kHeadDim = kHeadDim_;  // 64, 128 or 256 (64-column blocks)
   static constexpr int kWarpGroups = 2;
@@ -28,7 +30,10 @@ struct QueryTileTraits {
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   static constexpr int kKVOffset = kQueryTiles * QTile::kBytes;
   static constexpr int kSegOffset = kKVOffset + 2 * kKVBuffers * KVTile::kBytes;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockM + kKVBuffers * kBlockN) * 4 + 1024;
+  static constexpr int kKeyIdSlots = kNextKeyIds ? 2 : 1;
+  static constexpr int kSmemBytes =
+      kSegOffset + (kBlockM + kKeyIdSlots * kKVBuffers * kBlockN) * 4 + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory");
 };
 
 struct QueryRows {

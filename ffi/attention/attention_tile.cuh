@@ -165,14 +165,16 @@ __device__ __forceinline__ void Zero(E (&x)[A][B][C]) {
 }
 
 // The dK/dV kernels' 4-byte words in shared memory: the keys' kBlockN segment ids, then per
-// Q/dO buffer the step's query segment ids, lse and delta (kBlockM each).
-template <int kBlockN, int kBlockM>
+// Q/dO buffer the step's query segment ids, lse and delta (kBlockM each), and with
+// kNextIds the next step's query segment ids too (the Hopper kernel decides a step ahead).
+template <int kBlockN, int kBlockM, bool kNextIds = false>
 struct StepWords {
+  static constexpr int kPerBuffer = (kNextIds ? 4 : 3) * kBlockM;
   int32_t* kv_seg;
 
-  static constexpr int Bytes(int buffers) { return (kBlockN + buffers * 3 * kBlockM) * 4; }
+  static constexpr int Bytes(int buffers) { return (kBlockN + buffers * kPerBuffer) * 4; }
   __device__ __forceinline__ int32_t* QSeg(int buf) const {
-    return kv_seg + kBlockN + buf * 3 * kBlockM;
+    return kv_seg + kBlockN + buf * kPerBuffer;
   }
   __device__ __forceinline__ float* Lse(int buf) const {
     return reinterpret_cast<float*>(QSeg(buf) + kBlockM);
@@ -180,11 +182,22 @@ struct StepWords {
   __device__ __forceinline__ float* Delta(int buf) const {
     return reinterpret_cast<float*>(QSeg(buf) + 2 * kBlockM);
   }
+  __device__ __forceinline__ int32_t* NextQSeg(int buf) const {
+    static_assert(kNextIds, "no next-step ids");
+    return QSeg(buf) + 3 * kBlockM;
+  }
   // Copies the words of the step over queries m0.. of the query head whose statistics start
-  // at `stats` into buffer `buf` (joining the caller's cp.async group).
+  // at `stats` into buffer `buf` (joining the caller's cp.async group); with kNextIds, also
+  // the segment ids of the next step's queries m0_next...
   __device__ __forceinline__ void LoadStep(int buf, const AttentionParams& p, const Mask& mask,
-                                           bool segments, int64_t stats, int m0) const {
-    if (segments) LoadRowWordsAsync(QSeg(buf), mask.q_seg, m0, mask.q_len, kBlockM);
+                                           bool segments, int64_t stats, int m0,
+                                           int m0_next = 0) const {
+    if (segments) {
+      LoadRowWordsAsync(QSeg(buf), mask.q_seg, m0, mask.q_len, kBlockM);
+      if constexpr (kNextIds) {
+        LoadRowWordsAsync(NextQSeg(buf), mask.q_seg, m0_next, mask.q_len, kBlockM);
+      }
+    }
     LoadRowWordsAsync(Lse(buf), p.lse + stats, m0, mask.q_len, kBlockM);
     LoadRowWordsAsync(Delta(buf), p.delta + stats, m0, mask.q_len, kBlockM);
   }
@@ -349,6 +362,20 @@ struct TileMasking {
   }
 };
 
+// The segment part of a decision, from the segment ranges of the tile's two sides.
+__device__ __forceinline__ void ApplySegmentRanges(TileMasking& tm, const int32_t* row_ids,
+                                                   const SegmentRange& rows,
+                                                   const int32_t* col_ids,
+                                                   const SegmentRange& cols) {
+  tm.skip = rows.DisjointFrom(cols);
+  if (!rows.OneSegmentWith(cols)) {
+    tm.masked = true;
+    tm.row_seg = row_ids;
+    tm.col_seg = col_ids;
+  }
+}
+
+// The warp's own decision, its `rows` row ids and `cols` column ids reduced here.
 template <bool kMaskable>
 __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segments, int q0,
                                                      int q1, int k0, int k1,
@@ -358,15 +385,28 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
   if (!kMaskable) return tm;
   tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
   if (segments) {
-    const SegmentRange r = WarpSegmentRange(row_ids, rows, lane);
-    const SegmentRange c = WarpSegmentRange(col_ids, cols, lane);
-    tm.skip = r.DisjointFrom(c);
-    if (!r.OneSegmentWith(c)) {
-      tm.masked = true;
-      tm.row_seg = row_ids;
-      tm.col_seg = col_ids;
-    }
+    ApplySegmentRanges(tm, row_ids, WarpSegmentRange(row_ids, rows, lane), col_ids,
+                       WarpSegmentRange(col_ids, cols, lane));
   }
+  return tm;
+}
+
+// The same with the ranges given: the Hopper backward loops reduce them a step ahead, under
+// the previous step's products (the reductions on the critical path cost the options
+// case's backward 2-3%, TUNING.md stop 16). A range may cover more rows or columns than
+// the warp's (a warpgroup's, the same in its 4 warps, so that `skip` is too): the decision
+// is then coarser, never wrong.
+template <bool kMaskable>
+__device__ __forceinline__ TileMasking DecideMaskingInRanges(const Mask& mask, bool segments,
+                                                             int q0, int q1, int k0, int k1,
+                                                             const int32_t* row_ids,
+                                                             const SegmentRange& rows,
+                                                             const int32_t* col_ids,
+                                                             const SegmentRange& cols) {
+  TileMasking tm{false, false, nullptr, nullptr};
+  if (!kMaskable) return tm;
+  tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
+  if (segments) ApplySegmentRanges(tm, row_ids, rows, col_ids, cols);
   return tm;
 }
 

@@ -48,6 +48,10 @@ struct SwizzledTile {
   }
 };
 
+// The most dynamic shared memory an sm_90 block may opt in to (227 KB): the kernels'
+// traits assert against it, since a layout past it fails only at launch.
+constexpr int kMaxSmemBytes = 232448;
+
 // The dynamic shared memory rounded up to the swizzle's 1024-byte period (kernels allocate
 // 1024 bytes more).
 __device__ __forceinline__ unsigned char* SwizzleAligned(unsigned char* raw) {
@@ -114,20 +118,6 @@ __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 #if JAXGPU_WGMMA_DEVICE
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
-}
-
-// True on every thread of warpgroup `group` (barrier group + 1, 128 threads) when `pred`
-// holds on all of them: a warpgroup may skip a tile only together (wgmma is .aligned).
-__device__ __forceinline__ bool WarpgroupAll(bool pred, int group) {
-  int all = 0;
-#if JAXGPU_WGMMA_DEVICE
-  asm volatile(
-      "{\n.reg .pred p, q;\nsetp.ne.u32 q, %1, 0;\nbar.red.and.pred p, %2, 128, q;\n"
-      "selp.s32 %0, 1, 0, p;\n}\n"
-      : "=r"(all)
-      : "r"(static_cast<int>(pred)), "r"(group + 1));
-#endif
-  return all != 0;
 }
 
 // The operands of an m64nNk16 MMA with float32 accumulators, per N: the N / 2 accumulator
