@@ -116,7 +116,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     const int64_t head = off0.q + c.r * p.head_dim;
     const int64_t stats = off0.stats + c.r * p.q_len;
     const int m0 = (m_begin + c.tile) * kM;
-    const int m0_next = (m_begin + (c.tile + 1 == m_count ? 0 : c.tile + 1)) * kM;
+    const int m0_next = (m_begin + c.NextTile(m_count)) * kM;
     unsigned char* dst = sqdo + 2 * c.buf * QTile::kBytes;
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst, q + head + m0 * off0.q_ld, off0.q_ld,
                                                   mask.q_len - m0, H);
