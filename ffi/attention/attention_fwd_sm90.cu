@@ -118,12 +118,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // whole (DecideMasking finds them not fully visible, or of disjoint segments): a skip
   // would put a branch around the pipelined MMAs, and ptxas serializes wgmma in divergent
   // paths. (Whole CTAs still skip them: TileWalk's begin and end.)
+  // `masks`: the tile may hold masked elements. A constant where the loops below call it
+  // (false in a maskable kernel for the tiles every row sees whole), so that each inlined
+  // copy keeps one side: those tiles run the plain kernel's softmax.
   float correction[1][2];
-  auto softmax = [&](float (&acc_s)[1][kN / 8][4], int nb) {
+  auto softmax = [&](float (&acc_s)[1][kN / 8][4], int nb, bool masks) {
     const int n0 = nb * kN;
-    const TileMasking tm = DecideMasking<kMaskable>(
-        mask, rows.segments, rows.warp_row0, rows.warp_row1, n0, n0 + kN - 1,
-        sq_seg + rows.local_row0, 16, skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
+    TileMasking tm{false, false, nullptr, nullptr};
+    if (masks) {
+      tm = DecideMasking<kMaskable>(mask, rows.segments, rows.warp_row0, rows.warp_row1, n0,
+                                    n0 + kN - 1, sq_seg + rows.local_row0, 16,
+                                    skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
+    }
     ToLogits<false, kN, kSoftcap, kFwdTanhF32>(acc_s[0], ls, mask, tm.masked, rows.warp_row0,
                                                n0, tm.RowSeg(0), tm.col_seg, lane);
     if constexpr (kBounded) {
@@ -145,10 +151,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       issue_scores(acc_s, n_begin);
       sm90::Wait<0>();
       sm90::KeepOrder(acc_s[0]);
-      softmax(acc_s, n_begin);
+      softmax(acc_s, n_begin, kMaskable);
       PackProbs<T, kN, 1>(p_frags, acc_s);
     }
-    for (int nb = n_begin + 1; nb < n_end; ++nb) {
+    auto step = [&](int nb, bool masks) {
       float acc_s[1][kN / 8][4];
       next_tiles(nb);
       issue_scores(acc_s, nb);
@@ -158,11 +164,30 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       sm90::Commit();
       sm90::Wait<1>();  // S ready; P V may still run
       sm90::KeepOrder(acc_s[0]);
-      softmax(acc_s, nb);
+      softmax(acc_s, nb, masks);
       sm90::Wait<0>();
       sm90::KeepOrder(acc_o[0]);
       if constexpr (!kBounded) RescaleRows<1, kD>(acc_o, correction);
       PackProbs<T, kN, 1>(p_frags, acc_s);
+    };
+    // A maskable kernel walks its tiles in up to three runs: those a window's left edge
+    // cuts, those every row of the CTA sees whole, and those the causal diagonal, a
+    // window's right edge or the sequence's end cut. Without segment ids the middle run
+    // takes the plain kernel's softmax, in a loop of its own: the maskable loop body costs
+    // even where it masks nothing (H100, T = 4096: segment ids that mask nothing ran the
+    // forward at 401 TFLOP/s against the plain 430, with the decisions themselves free), and
+    // it needs 255 registers where the plain one needs 216. Not at H = 256, whose maskable
+    // kernel spilled 552 bytes with the extra loop.
+    if constexpr (kMaskable && kD <= 128) {
+      int nb = n_begin + 1, full_lo, full_hi;
+      mask.FullTileRange(m0, rows.m_last, kN, &full_lo, &full_hi);
+      const int clean_lo = min(max(nb, full_lo), n_end);
+      const int clean_hi = rows.segments ? clean_lo : max(clean_lo, min(full_hi, n_end));
+      for (; nb < clean_lo; ++nb) step(nb, true);
+      for (; nb < clean_hi; ++nb) step(nb, false);
+      for (; nb < n_end; ++nb) step(nb, true);
+    } else {
+      for (int nb = n_begin + 1; nb < n_end; ++nb) step(nb, kMaskable);
     }
     CpAsyncWait<0>();
     sm90::FenceSharedForAsyncProxy();

@@ -49,6 +49,18 @@ struct Mask {
     *hi = h + 1;
   }
 
+  // The kv tiles [*lo, *hi) of `tile` keys that every query in [i0, i1] sees whole,
+  // segments aside: TileFullyVisible holds for each (empty when *lo >= *hi).
+  __device__ __forceinline__ void FullTileRange(int i0, int i1, int tile, int* lo,
+                                                int* hi) const {
+    int h = kv_len;  // one past the last key every row sees
+    if (causal) h = min(h, i0 + 1);
+    if (right >= 0) h = min(h, i0 + right + 1);
+    const int l = left >= 0 ? max(0, i1 - left) : 0;  // the first key every row sees
+    *lo = (l + tile - 1) / tile;
+    *hi = max(h, 0) / tile;
+  }
+
   // True when every (i, j) in [i0, i1] x [j0, j1] is visible, segments aside (see
   // SegmentRange): the tile skips the per-element mask (the common case away from the
   // diagonal and the tails).

@@ -44,7 +44,7 @@ struct QueryRows {
   Mask mask;
   bool segments;              // segment ids to compare (kMaskable kernels only)
   int dim;                    // H
-  int m0;                     // the tile's first query
+  int m0, m_last;             // the tile's first and last query (clamped to T)
   int warp_row0, warp_row1;   // the warp's first and last query (clamped to T)
   TileWalk walk;              // kBlockN-key tiles: the CTA's, and the warpgroup's span
 };
@@ -63,9 +63,9 @@ __device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
   r.segments = kMaskable && r.mask.q_seg != nullptr;
   r.dim = static_cast<int>(p.head_dim);
   r.m0 = r.tile.m_block * kBlockM;
-  const int m_last = min(r.m0 + kBlockM, r.mask.q_len) - 1;
+  r.m_last = min(r.m0 + kBlockM, r.mask.q_len) - 1;
   const int group_row0 = r.m0 + 64 * r.group;
-  r.walk = MakeTileWalk<true>(r.mask, r.m0, m_last, group_row0,
+  r.walk = MakeTileWalk<true>(r.mask, r.m0, r.m_last, group_row0,
                               min(group_row0 + 64, r.mask.q_len) - 1, kBlockN);
   r.warp_row0 = r.m0 + r.local_row0;
   r.warp_row1 = min(r.warp_row0 + 16, r.mask.q_len) - 1;
