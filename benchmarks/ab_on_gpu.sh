@@ -7,6 +7,7 @@
 #   bash benchmarks/ab_on_gpu.sh .carry/x.patch .carry/y.patch
 #   ROUNDS=3 VARIANTS=opts,seg,cap PASSES=bwd bash benchmarks/ab_on_gpu.sh .carry/x.patch
 #   NCU=1 VARIANTS=opts PASSES=bwd bash benchmarks/ab_on_gpu.sh .carry/x.patch  # per kernel
+#   JAXGPU_CUDA=OFF AB_ARGS="--implementation cpu --t 64" bash benchmarks/ab_on_gpu.sh  # smoke
 #
 # Writes under $OUT (the device tool brings back 8 files at most): ab.jsonl (one line per
 # figure) and ab.txt (the table); with NCU=1, ncu.txt (each kernel's median duration per
@@ -28,7 +29,7 @@ NCU_METRICS=${NCU_METRICS:-gpu__time_duration.sum}
 PASSES=${PASSES:-fwd,bwd,fwd+bwd}
 
 export PYTHONUNBUFFERED=1 PYTHONSAFEPATH=1 PATH=/usr/local/cuda/bin:$PATH
-export JAXGPU_CUDA_ARCHS=${JAXGPU_CUDA_ARCHS:-90a} JAXGPU_CUDA=ON
+export JAXGPU_CUDA_ARCHS=${JAXGPU_CUDA_ARCHS:-90a} JAXGPU_CUDA=${JAXGPU_CUDA:-ON}
 export CMAKE_BUILD_PARALLEL_LEVEL=${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}
 
 names=(base)
@@ -77,7 +78,7 @@ if [ -n "${NCU:-}" ]; then
       csv="$WORK/ncu-$name-$var.csv"
       PYTHONPATH="$WORK/site-$name" ncu --clock-control none --csv --print-units base \
         --metrics "$NCU_METRICS" -k regex:'Sm90Kernel|DeltaKernel|DqKernel|DkvKernel|FwdKernel' \
-        python3 "$tool" --profile --variants "$var" --passes "$PASSES" \
+        python3 "$tool" --profile --variants "$var" --passes "$PASSES" ${AB_ARGS:-} \
         > "$csv" 2> "$OUT/ncu.err" || { echo "ncu failed: $OUT/ncu.err"; tail -n 5 "$OUT/ncu.err"; }
       python3 - "$csv" <<'EOF2' | tee -a "$OUT/ncu.txt"
 import collections, csv, re, statistics, sys
@@ -105,7 +106,7 @@ for r in $(seq "$ROUNDS"); do
   for name in "${names[@]}"; do
     echo "== $(date +%H:%M:%S) round $r: $name"
     PYTHONPATH="$WORK/site-$name" python3 "$tool" --label "$name" --variants "$VARIANTS" \
-      --passes "$PASSES" --seed "$r" --json "$OUT/ab.jsonl"
+      --passes "$PASSES" --seed "$r" --json "$OUT/ab.jsonl" ${AB_ARGS:-}
   done
 done
 python3 "$tool" --summarize "$OUT/ab.jsonl" | tee "$OUT/ab.txt"
