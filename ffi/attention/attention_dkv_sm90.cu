@@ -190,13 +190,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     sm90::KeepOrder(s[0]);
     sm90::KeepOrder(dp[0]);
 
-    // The step in two parts of kPart queries: the second part's elementwise work runs while
-    // the tensor cores take the first part's dV and dK products (the same accumulators:
+    // The step in parts of kPart = 16 queries: each part's elementwise work runs while the
+    // tensor cores take the previous parts' dV and dK products (the same accumulators:
     // same-shape MMAs on them are ordered without a wait), where the whole step's products
     // used to wait for all of its elementwise work. H100, T = 4096, backward TFLOP/s, one
     // part -> two: H128 plain 377 -> 381, softcap 331 -> 343, H64 291 -> 301, H256 causal
-    // 225 -> 234. Two parts keep the H128 kernels at 230-240 registers with no spill.
-    constexpr int kParts = kM / 16 < 2 ? kM / 16 : 2;
+    // 225 -> 234. Four parts of 16 queries (two at H = 256, whose steps are 32 queries)
+    // against two, same H100, bwd TFLOP/s, 3 interleaved rounds: plain 377 -> 386, softcap
+    // 342 -> 347, segment ids 355 -> 360, options 321 -> 327; H128 kernels 230-244
+    // registers, no spill.
+    constexpr int kParts = kM / 16 < 4 ? kM / 16 : 4;
     constexpr int kPart = kM / kParts;
     uint32_t p_frags[kParts][kPart / 16][1][4], ds_frags[kParts][kPart / 16][1][4];
     auto part = [&](int h) {  // h is a constant where inlined
