@@ -5,6 +5,9 @@
 #   bash benchmarks/run_on_gpu.sh build test      # any subset, in this order
 #   bash benchmarks/run_on_gpu.sh build gputest   # only the gpu-marked tests (faster)
 #   PYTEST_ARGS="-k rms" bash benchmarks/run_on_gpu.sh test
+#   # the attention file's GPU tests (~800 s under xdist): two calls, one shard each
+#   PYTEST_ARGS="-n 8 -p no:cacheprovider --shard=0/2 tests/test_attention.py" \
+#     bash benchmarks/run_on_gpu.sh build gputest          # then --shard=1/2
 #   BENCH_ARGS="--quick" bash benchmarks/run_on_gpu.sh bench
 #
 # Writes at most 7 files, all directly under $OUT (default /tmp/out):

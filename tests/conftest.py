@@ -11,6 +11,10 @@
 * `rng`: a fresh numpy Generator per test. Its seed is printed (shown on failure) and can be
   pinned with JAXGPU_TEST_SEED=<seed> to reproduce a failure.
 * `slow` tests (the full combinatorial matrix) run only with --run-slow.
+* `--shard=I/N` keeps every N-th collected test starting at the I-th (in node-id order, so
+  every xdist worker keeps the same ones): the GPU test run of the attention file takes
+  ~800 s on the H100 machine, more than one 10-minute device call, and N calls with I =
+  0..N-1 cover it exactly once.
 No global x64: float64 oracles are numpy, or jax inside tests/oracle.x64().
 """
 
@@ -53,6 +57,19 @@ def host_implementations() -> list:
 def pytest_addoption(parser):
   parser.addoption("--run-slow", action="store_true", default=False,
                    help="also run tests marked slow (the full combinatorial matrix)")
+  parser.addoption("--shard", default=None, metavar="I/N",
+                   help="run only the I-th of N disjoint shards of the collected tests")
+
+
+def parse_shard(text: str) -> tuple:
+  """'I/N' -> (I, N), with 0 <= I < N."""
+  try:
+    index, count = (int(x) for x in text.split("/"))
+  except ValueError:
+    raise pytest.UsageError(f"--shard: expected I/N with integers, got {text!r}") from None
+  if not 0 <= index < count:
+    raise pytest.UsageError(f"--shard: need 0 <= I < N, got {text!r}")
+  return index, count
 
 
 def pytest_configure(config):
@@ -65,6 +82,13 @@ def slow_enabled(config) -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+  shard = config.getoption("--shard")
+  if shard:
+    index, count = parse_shard(shard)
+    order = sorted(range(len(items)), key=lambda i: items[i].nodeid)
+    keep = {i for rank, i in enumerate(order) if rank % count == index}
+    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i not in keep])
+    items[:] = [it for i, it in enumerate(items) if i in keep]
   no_gpu = pytest.mark.skip(reason="JAX has no CUDA backend here")
   no_slow = pytest.mark.skip(reason="slow: run with --run-slow")
   for item in items:
