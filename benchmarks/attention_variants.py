@@ -26,10 +26,11 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, bench_attention.py
 
+import bench_attention  # noqa: E402
 import harness  # noqa: E402
 
-TOKENS = 16384  # B * T, as bench_attention.py
-PASSES = ("fwd", "bwd", "fwd+bwd")
+TOKENS = bench_attention.TOKENS
+PASSES = tuple(bench_attention.PASS_FLOPS)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -50,8 +51,8 @@ class Variant:
         return max(1, self.tokens // self.t)
 
     def flops(self, pass_: str) -> float:
-        f = 4.0 * self.b * self.t * self.t * self.n * self.h * (0.5 if self.causal else 1.0)
-        return f * {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}[pass_]
+        return bench_attention.attention_flops(self.b, self.t, self.n, self.h, self.causal,
+                                               pass_)
 
 
 # The cases the options target is judged on (bench_attention.py's `attn+options` and its
@@ -71,18 +72,10 @@ DEFAULT_VARIANTS = ("plain", "causal", "cap", "seg", "opts", "h64-causal", "h256
 
 
 def make_inputs(key, v: Variant, with_do: bool):
-    import jax
     import jax.numpy as jnp
 
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = harness.random_array(kq, (v.b, v.t, v.n, v.h), jnp.bfloat16)
-    k = harness.random_array(kk, (v.b, v.t, v.k, v.h), jnp.bfloat16)
-    val = harness.random_array(kv, (v.b, v.t, v.k, v.h), jnp.bfloat16)
-    segs = (None, None)
-    if v.segments:
-        segs = (jnp.zeros((v.b, v.t), jnp.int32), jnp.zeros((v.b, v.t), jnp.int32))
-    out = (q, k, val) + segs
-    return out + (harness.random_array(kd, q.shape, jnp.bfloat16),) if with_do else out
+    return bench_attention.random_inputs(key, v.b, v.t, v.n, v.k, v.h, jnp.bfloat16,
+                                         v.segments, with_do)
 
 
 def op(v: Variant, implementation: str):
@@ -110,10 +103,7 @@ def pass_fn_and_args(v: Variant, pass_: str, key, l2_bytes: int, implementation:
     else:
         one = functools.partial(make_inputs, v=v, with_do=True)
         if pass_ == "fwd+bwd":
-            def timed(q, k, val, q_seg, kv_seg, do):
-                o, vjp = jax.vjp(lambda q, k, val: fn(q, k, val, q_seg, kv_seg), q, k, val)
-                return o, vjp(do)
-            timed = jax.jit(timed)
+            timed = jax.jit(bench_attention.vjp_step(fn))
     nbytes = harness.tree_nbytes(jax.eval_shape(one, key))
     sets = harness.make_arg_sets(one, key, nbytes, l2_bytes,
                                  max_copies=None if rotate else 1)

@@ -46,6 +46,45 @@ TARGET_FWD_TFLOPS = 360.0
 TARGET_FWD_BWD_TFLOPS = 300.0
 TARGET_OPTIONS_SLOWDOWN = 1.15
 
+# Each pass's FLOPs in forward passes (the backward counts 2.5x the forward).
+PASS_FLOPS = {"fwd": 1.0, "bwd": 2.5, "fwd+bwd": 3.5}
+
+
+def attention_flops(b: int, t: int, n: int, h: int, causal: bool, pass_: str) -> float:
+    """4 B T S N H (T = S) for the forward, halved under the causal mask, times PASS_FLOPS."""
+    return 4.0 * b * t * t * n * h * (0.5 if causal else 1.0) * PASS_FLOPS[pass_]
+
+
+def random_inputs(key, b: int, t: int, n: int, k: int, h: int, dtype, segments: bool,
+                  with_do: bool):
+    """(q, k, v, q_seg, kv_seg[, do]): random normal, never zeros. Segment ids (if any) are
+    one segment per sequence: they mask nothing."""
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kd = jax.random.split(key, 4)
+    q = harness.random_array(kq, (b, t, n, h), dtype)
+    key_ = harness.random_array(kk, (b, t, k, h), dtype)
+    v = harness.random_array(kv, (b, t, k, h), dtype)
+    segs = (None, None)
+    if segments:
+        segs = (jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
+    args = (q, key_, v) + segs
+    return args + (harness.random_array(kd, q.shape, dtype),) if with_do else args
+
+
+def vjp_step(fn):
+    """(q, k, v, q_seg, kv_seg, do) -> (o, (dq, dk, dv)) of fn(q, k, v, q_seg, kv_seg), not
+    jitted; returns o too (a training step uses it, and without it XLA could drop the
+    anchor's forward as dead code)."""
+    import jax
+
+    def step(q, k, v, q_seg, kv_seg, do):
+        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_seg, kv_seg), q, k, v)
+        return o, vjp(do)
+
+    return step
+
 
 @dataclasses.dataclass(frozen=True)
 class Case:
@@ -67,8 +106,7 @@ class Case:
                 + f"h{self.h}" + ("-causal" if self.causal else ""))
 
     def flops(self, pass_: str) -> float:
-        f = 4.0 * self.b * self.t * self.t * self.n * self.h * (0.5 if self.causal else 1.0)
-        return f if pass_ == "fwd" else 3.5 * f
+        return attention_flops(self.b, self.t, self.n, self.h, self.causal, pass_)
 
     def kwargs(self) -> dict:
         """jaxgpu.dot_product_attention's options (segment ids are inputs)."""
@@ -137,36 +175,17 @@ def make_fwd(impl: str, case: Case):
 
 
 def make_fwd_bwd(impl: str, case: Case):
-    """Forward + backward through jax.vjp with a random cotangent; returns o too (a training
-    step uses it, and without it XLA could drop the anchor's forward as dead code)."""
+    """Forward + backward through jax.vjp with a random cotangent (vjp_step), jitted."""
     import jax
 
-    fn = attention_fn(impl, case)
-
-    def step(q, k, v, q_seg, kv_seg, do):
-        o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, q_seg, kv_seg), q, k, v)
-        return o, vjp(do)
-
-    return jax.jit(step)
+    return jax.jit(vjp_step(attention_fn(impl, case)))
 
 
 def make_inputs(key, case: Case, dtype, pass_: str):
-    """(q, k, v, q_seg, kv_seg[, do]): random normal, never zeros. The segment ids (options
-    case only) are one segment per sequence: they mask nothing, as the window does not."""
-    import jax
-    import jax.numpy as jnp
-
-    kq, kk, kv, kd = jax.random.split(key, 4)
-    q = harness.random_array(kq, (case.b, case.t, case.n, case.h), dtype)
-    k = harness.random_array(kk, (case.b, case.t, case.k, case.h), dtype)
-    v = harness.random_array(kv, (case.b, case.t, case.k, case.h), dtype)
-    segs = (None, None)
-    if case.options:
-        segs = (jnp.zeros((case.b, case.t), jnp.int32), jnp.zeros((case.b, case.t), jnp.int32))
-    args = (q, k, v) + segs
-    if pass_ == "fwd":
-        return args
-    return args + (harness.random_array(kd, q.shape, dtype),)
+    """random_inputs of the case; segment ids in the options case only (as the window, they
+    mask nothing)."""
+    return random_inputs(key, case.b, case.t, case.n, case.k, case.h, dtype, case.options,
+                         with_do=pass_ != "fwd")
 
 
 def _skip(skipped: list, case: Case, pass_: str, impl: str, why: str) -> None:

@@ -85,10 +85,9 @@ def pytest_collection_modifyitems(config, items):
   shard = config.getoption("--shard")
   if shard:
     index, count = parse_shard(shard)
-    order = sorted(range(len(items)), key=lambda i: items[i].nodeid)
-    keep = {i for rank, i in enumerate(order) if rank % count == index}
-    config.hook.pytest_deselected(items=[it for i, it in enumerate(items) if i not in keep])
-    items[:] = [it for i, it in enumerate(items) if i in keep]
+    keep = {it.nodeid for it in sorted(items, key=lambda it: it.nodeid)[index::count]}
+    config.hook.pytest_deselected(items=[it for it in items if it.nodeid not in keep])
+    items[:] = [it for it in items if it.nodeid in keep]
   no_gpu = pytest.mark.skip(reason="JAX has no CUDA backend here")
   no_slow = pytest.mark.skip(reason="slow: run with --run-slow")
   for item in items:
