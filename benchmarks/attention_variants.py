@@ -44,6 +44,7 @@ class Variant:
     softcap: float | None = None
     window: tuple | None = None
     segments: bool = False  # one segment per sequence: masks nothing, selects the masked kernels
+    packed: int = 0  # > 0: segment ids of runs of this many tokens (packed sequences: masks)
     tokens: int = TOKENS
 
     @property
@@ -63,6 +64,8 @@ VARIANTS = {v.name: v for v in [
     Variant("cap", softcap=30.0),
     Variant("seg", segments=True),
     Variant("opts", softcap=30.0, window=(4096, 4096), segments=True),
+    Variant("packed", segments=True, packed=1024),
+    Variant("opts-packed", softcap=30.0, window=(4096, 4096), segments=True, packed=1024),
     Variant("gqa-causal", n=32, k=8, causal=True),
     Variant("h64", n=32, k=32, h=64),
     Variant("h64-causal", n=32, k=32, h=64, causal=True),
@@ -74,8 +77,12 @@ DEFAULT_VARIANTS = ("plain", "causal", "cap", "seg", "opts", "h64-causal", "h256
 def make_inputs(key, v: Variant, with_do: bool):
     import jax.numpy as jnp
 
-    return bench_attention.random_inputs(key, v.b, v.t, v.n, v.k, v.h, jnp.bfloat16,
+    args = bench_attention.random_inputs(key, v.b, v.t, v.n, v.k, v.h, jnp.bfloat16,
                                          v.segments, with_do)
+    if v.packed:  # ids 0, 0, ... 1, 1, ...: packed sequences of v.packed tokens each
+        ids = jnp.broadcast_to(jnp.arange(v.t, dtype=jnp.int32) // v.packed, (v.b, v.t))
+        args = args[:3] + (ids, ids) + args[5:]
+    return args
 
 
 def op(v: Variant, implementation: str):
