@@ -503,6 +503,35 @@ def test_segments_interleaved(h, causal, implementation, rng):
   run_inputs(case, implementation, q, k, v, (q_seg, kv_seg), do, what="interleaved: ")
 
 
+@pytest.mark.parametrize("softcap", (None, 30.0), ids=("plain", "cap"))
+@pytest.mark.parametrize("h", (64, 128, 256))
+def test_segment_rows_uniform_and_packed(h, softcap, implementation, rng):
+  """With segment ids and no positional mask, the Hopper backward runs each batch row on the
+  kernel without the mask when all its ids are one segment, else on the maskable one
+  (SplitsBySegmentRows, ffi/attention/attention_launch.cuh). One call holds both kinds:
+  a row of one segment, a packed row, and a row whose q and kv ids are each uniform but
+  differ (nothing visible: zeros, zero gradients). S = 256 is a multiple of every key tile,
+  so nothing masks by position."""
+  case = Case(3, 100, 256, 4, 2, h, jnp.bfloat16, Opts(softcap=softcap, segments=True))
+  q, k, v = make_qkv(rng, case)
+  packed_q, packed_kv = (np.sort(rng.integers(0, 3, n)) for n in (case.t, case.s))
+  q_seg = np.stack([np.full(case.t, 7), packed_q, np.full(case.t, 1)]).astype(np.int32)
+  kv_seg = np.stack([np.full(case.s, 7), packed_kv, np.full(case.s, 2)]).astype(np.int32)
+  segs = (jnp.asarray(q_seg), jnp.asarray(kv_seg))
+  do = oracle.randn(rng, case.q_shape, case.dtype)
+  run_inputs(case, implementation, q, k, v, segs, do, what="uniform/packed rows: ")
+
+
+def test_segment_uniform_flags():
+  """The backward's per-row flag (jaxgpu/ops/attention.py's _segment_uniform): 1 only where
+  every q and kv id of the row is the same value."""
+  from jaxgpu.ops.attention import _segment_uniform
+  q_seg = np.array([[3, 3, 3], [3, 3, 4], [1, 1, 1], [0, 0, 0]], np.int32)
+  kv_seg = np.array([[3, 3], [3, 3], [1, 2], [5, 5]], np.int32)
+  got = np.asarray(_segment_uniform(jnp.asarray(q_seg), jnp.asarray(kv_seg)))
+  assert got.dtype == np.int32 and got.tolist() == [1, 0, 0, 0]
+
+
 # ---- softcaps across the bounded softmax's range ------------------------------------------------
 
 # The Hopper forward subtracts a fixed offset instead of the row max when the cap's range
@@ -950,14 +979,16 @@ def _raw_fwd(q5, k, v, segs=None, out=None, **kw):
       q5, k, v, *segs, **_attrs(**kw))
 
 
-def _raw_bwd(q5, k, v, o, lse, do, out=None, **kw):
+def _raw_bwd(q5, k, v, o, lse, do, segs=None, out=None, **kw):
+  """segs: (q_segment_ids, kv_segment_ids, segment_uniform), or None (all three empty)."""
   from jaxgpu import _ffi
   if out is None:
     out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
   empty = jnp.zeros((0,), jnp.int32)
+  segs = (empty, empty, empty) if segs is None else segs
   return jax.ffi.ffi_call(_ffi.target_name("jaxgpu_attention_bwd", "cpu"), out)(
-      q5, k, v, o, lse, do, empty, empty, **_attrs(**kw))
+      q5, k, v, o, lse, do, *segs, **_attrs(**kw))
 
 
 def _needs_cpu():
@@ -1040,9 +1071,22 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
                       jnp.ones((1, 4, 2, 2, 8), jnp.bfloat16)), "do: unexpected element type"),
     (lambda: _raw_fwd(jnp.ones((1, 4, 2, 2, 300)), jnp.ones((1, 6, 2, 300)),
                       jnp.ones((1, 6, 2, 300))), "head dim"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      segs=(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 6), jnp.int32),
+                            jnp.zeros((2,), jnp.int32)), has_segments=True),
+     "segment_uniform"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      segs=(jnp.zeros((1, 4), jnp.int32), jnp.zeros((1, 6), jnp.int32),
+                            jnp.zeros((1,), jnp.float32)), has_segments=True),
+     "segment_uniform"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      segs=(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32),
+                            jnp.zeros((1,), jnp.int32))),
+     "segment_uniform: must be empty"),
 ], ids=["q-rank", "k-shape", "v-shape", "v-dtype", "lse-shape", "o-dtype", "softcap", "scale",
         "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count",
-        "bwd-lse", "do-dtype", "head-dim"])
+        "bwd-lse", "do-dtype", "head-dim", "uniform-shape", "uniform-dtype",
+        "uniform-not-empty"])
 def test_handler_rejects_bad_buffers(build, match):
   _needs_cpu()
   with jax.default_device(jax.devices("cpu")[0]):

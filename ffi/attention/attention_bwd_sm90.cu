@@ -33,9 +33,9 @@ struct Sm90DqTraits
     : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2,
                             3, true> {};
 
+// One CTA's work (kMaskable: with the per-tile mask decisions and the per-element mask).
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    DqSm90Kernel(AttentionParams p, LogitScale ls) {
+__device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitScale& ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kKVBuffers;
   using QTile = typename Tr::QTile;
@@ -194,16 +194,32 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif
 }
 
+// kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
+// all one segment runs the body compiled without the mask.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    DqSm90Kernel(AttentionParams p, LogitScale ls) {
+  if constexpr (kRowSplit) {
+    if (RowMasksNothing(p, DecodeQueryTile<false>(p, Tr::kBlockM).b)) {
+      DqSm90Cta<T, Tr, false, kSoftcap>(p, ls);
+      return;
+    }
+  }
+  DqSm90Cta<T, Tr, kMaskable, kSoftcap>(p, ls);
+}
+
 }  // namespace
 }  // namespace attention
 
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
 cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DqTraits>(p, [&](auto config) {
+  return DispatchSm90<Sm90DqTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
-        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);
+        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
+                     C::kRowSplit>,
+        p, stream);
   });
 }
 

@@ -50,9 +50,9 @@ struct Sm90DkvTraits {
   static_assert(kSmemBytes <= sm90::kMaxSmemBytes, "shared memory");
 };
 
+// One CTA's work (kMaskable: with the per-tile mask decisions and the per-element mask).
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    DkvSm90Kernel(AttentionParams p, LogitScale ls) {
+__device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const LogitScale& ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kBuffers;
   constexpr int kAcc = kD / Tr::kSlices;  // the dK / dV columns of this CTA
@@ -250,16 +250,33 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 #endif
 }
 
+// kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
+// all one segment runs the body compiled without the mask.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    DkvSm90Kernel(AttentionParams p, LogitScale ls) {
+  if constexpr (kRowSplit) {
+    const int n_blocks = static_cast<int>(CeilDiv(p.kv_len, Tr::kBlockN));
+    if (RowMasksNothing(p, DecodeKeyTile<false>(p, blockIdx.x / Tr::kSlices, n_blocks).b)) {
+      DkvSm90Cta<T, Tr, false, kSoftcap>(p, ls);
+      return;
+    }
+  }
+  DkvSm90Cta<T, Tr, kMaskable, kSoftcap>(p, ls);
+}
+
 }  // namespace
 }  // namespace attention
 
 // Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dk, dv.
 cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream) {
   using namespace attention;
-  return DispatchSm90<Sm90DkvTraits>(p, [&](auto config) {
+  return DispatchSm90<Sm90DkvTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverKeyTiles<typename C::Traits>(
-        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap>, p, stream);
+        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
+                      C::kRowSplit>,
+        p, stream);
   });
 }
 

@@ -22,13 +22,15 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
 ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
                            ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
+                           ffi::AnyBuffer seg_uniform,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                            float scale, float softcap, bool causal, int64_t window_left,
                            int64_t window_right, bool has_segments) {
   const AttentionAttrs attrs{scale, softcap, causal, window_left, window_right, has_segments};
   AttentionParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, dq, dk, dv,
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
+                                                dq, dk, dv,
                                                 delta, attrs, &p));
   cpu::AttentionBwd(p);
   return ffi::Error::Success();

@@ -39,11 +39,32 @@ inline cudaError_t CheckLaunchable(const AttentionParams& p) {
   return cudaSuccess;
 }
 
+// Whether any tile can hold an element masked by position (causal, window, the last key
+// tile's keys past S).
+inline bool NeedsPositionMask(const AttentionParams& p, int block_n) {
+  const Mask m = MakeMask(p, 0);
+  return m.causal || m.left >= 0 || m.right >= 0 || p.kv_len % block_n != 0;
+}
+
 // Whether any tile can hold a masked element: otherwise the kernels compile the mask out.
 inline bool NeedsMask(const AttentionParams& p, int block_n) {
-  const Mask m = MakeMask(p, 0);
-  return m.causal || m.left >= 0 || m.right >= 0 || m.q_seg != nullptr ||
-         p.kv_len % block_n != 0;
+  return NeedsPositionMask(p, block_n) || p.q_segment_ids != nullptr;
+}
+
+// Segment ids with nothing masked by position, and the per-row uniformity flags given (the
+// backward): a batch row whose q and kv ids are all one segment masks nothing at all. The
+// backward kernels are then compiled with both bodies (kRowSplit), and each CTA runs the
+// one without the mask where its row is uniform (RowMasksNothing), the maskable one
+// otherwise. The maskable body costs the backward 7% over the unmasked one even where the
+// ids mask nothing (H100, TUNING.md stop 20); two launches, each CTA returning at once
+// where the other kernel owned its row, cost as much again in empty CTAs.
+inline bool SplitsBySegmentRows(const AttentionParams& p, int block_n) {
+  return p.segment_uniform != nullptr && p.q_segment_ids != nullptr &&
+         !NeedsPositionMask(p, block_n);
+}
+
+__device__ __forceinline__ bool RowMasksNothing(const AttentionParams& p, int64_t b) {
+  return __ldg(p.segment_uniform + b) != 0;
 }
 
 // A one-dimensional grid of heads x tiles blocks; the kernels decode their (head, tile) in
@@ -83,25 +104,33 @@ cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStre
                              CeilDiv(p.kv_len, Tr::kBlockN) * Tr::kSlices, p, stream);
 }
 
-// One configuration of a Hopper kernel: element type, traits, and the two kernel switches.
-template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_>
+// One configuration of a Hopper kernel: element type, traits, and the kernel switches.
+template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_, bool kRowSplit_ = false>
 struct Sm90Config {
   using T = T_;
   using Traits = Tr;
   static constexpr bool kMaskable = kMaskable_;
   static constexpr bool kSoftcap = kSoftcap_;
+  static constexpr bool kRowSplit = kRowSplit_;  // kMaskable too (SplitsBySegmentRows)
 };
 
 // The Hopper kernels' compile-time switches: launch(Sm90Config<...>{}) with the element
-// type, Traits<64>, Traits<128> or Traits<256> by the padded head dim, and the two kernel
-// switches (the mask decided on Tr's key tile).
-template <template <int> class Traits, typename Launch>
+// type, Traits<64>, Traits<128> or Traits<256> by the padded head dim, and the kernel
+// switches (the mask decided on Tr's key tile; kRowSplits: the backward kernels, which
+// split by segment rows where SplitsBySegmentRows).
+template <template <int> class Traits, bool kRowSplits = false, typename Launch>
 cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     auto run = [&](auto traits) {
       using Tr = decltype(traits);
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
+        // Not at H = 256: there the kernel with both bodies spills (dQ: 340 bytes).
+        if constexpr (kRowSplits && Tr::kHeadDim <= 128) {
+          if (SplitsBySegmentRows(p, Tr::kBlockN)) {
+            return launch(Sm90Config<T, Tr, true, kSoftcap, true>{});
+          }
+        }
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
           return launch(Sm90Config<T, Tr, kMaskable, kSoftcap>{});
         });
       });

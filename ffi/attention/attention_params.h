@@ -8,6 +8,7 @@
 //   k, v, dk, dv   (B, S, K, H)
 //   lse, delta     (B, K, R, T)      float32
 //   segment ids    (B, T) / (B, S)   int32
+//   segment_uniform (B,)             int32, backward only (see below)
 //
 // Logits: l(i, j) = scale * q_i . k_j, then softcap * tanh(l / softcap) when softcap > 0,
 // then masked. Key j is visible to query i when
@@ -38,6 +39,9 @@ struct AttentionParams {
   int64_t window_right;      // -1: unbounded
   const int32_t* q_segment_ids;   // nullptr: no segment ids
   const int32_t* kv_segment_ids;
+  // Backward, with segment ids: per batch row, 1 where its q and kv ids are all one segment
+  // (nothing masked by them), else 0. nullptr otherwise.
+  const int32_t* segment_uniform;
 
   // Forward: reads q, k, v; writes o, lse.  Backward: reads q, k, v, o, lse, d_o; writes
   // dq, dk, dv and delta (rowsum(do * o), a float32 workspace the caller allocates).

@@ -14,8 +14,12 @@ of 8 is zero-padded to one (the CUDA kernels load 16-byte rows; zero features ch
 neither q.k nor the kept output columns), the outputs and gradients are sliced back, and
 the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
   fwd  q, k, v[, q_seg, kv_seg]          -> o (B, T, K, R, H), lse float32 (B, K, R, T)
-  bwd  q, k, v, o, lse, do[, segs]       -> dq, dk, dv, delta float32 (B, K, R, T) (workspace)
-Absent segment ids go to the kernels as int32 zeros((0,)) with has_segments=False.
+  bwd  q, k, v, o, lse, do[, segs, uniform] -> dq, dk, dv, delta float32 (B, K, R, T)
+                                                (workspace)
+Absent segment ids go to the kernels as int32 zeros((0,)) with has_segments=False. The
+backward also takes `uniform` int32 (B,), 1 where a batch row's q and kv ids are all one
+segment (`_segment_uniform`, a small XLA reduction in the per-shard body): the Hopper
+kernels run those rows without the mask when nothing else masks.
 
 Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes per query
 row and head); both are kept for the backward pass with q, k, v and the segment ids, which
@@ -123,6 +127,20 @@ def _segments(cfg: _Config, segs):
   return empty, empty
 
 
+def _segment_uniform(q_seg, kv_seg):
+  """int32 (B,): 1 where row b's q and kv segment ids all hold one value (nothing masked)."""
+  lo = q_seg.min(axis=1)
+  same = (q_seg.max(axis=1) == lo) & (kv_seg.min(axis=1) == lo) & (kv_seg.max(axis=1) == lo)
+  return same.astype(jnp.int32)
+
+
+def _bwd_segments(cfg: _Config, segs):
+  """The backward's three segment operands: both sides' ids and the rows' uniformity."""
+  if cfg.has_segments:
+    return (*segs, _segment_uniform(*segs))
+  return (*_segments(cfg, segs), jnp.zeros((0,), jnp.int32))
+
+
 # ---- inner ops: FFI calls under the shared vmap / sharding rules ---------------------------
 
 
@@ -152,8 +170,8 @@ def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs):
   def local_fn(q, k, v, o, lse, do, *segs):
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
-    return tuple(jax.ffi.ffi_call(cfg.target("bwd"), out)(q, k, v, o, lse, do,
-                                                          *_segments(cfg, segs), **cfg.attrs()))
+    return tuple(jax.ffi.ffi_call(cfg.target("bwd"), out)(
+        q, k, v, o, lse, do, *_bwd_segments(cfg, segs), **cfg.attrs()))
 
   dq, dk, dv, _ = grouped_call(local_fn, layout, q, k, v, o, lse, do, *segs)
   return dq, dk, dv
