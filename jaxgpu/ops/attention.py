@@ -25,7 +25,7 @@ Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes p
 row and head); both are kept for the backward pass with q, k, v and the segment ids, which
 are the inputs themselves (no copies). Backward: dq, dk, dv (the shapes and dtypes of q, k,
 v; dk and dv already reduced over the R query heads of each kv head) and delta, a float32
-workspace of B*N*T. No T x S array exists in either pass. With H % 8 != 0 (kernels only),
+workspace of B*N*T; with segment ids, the per-row flag `uniform` (4 bytes per batch row). No T x S array exists in either pass. With H % 8 != 0 (kernels only),
 zero-padded copies of q, k and v are made (and kept as the residuals instead of the
 inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
 vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
