@@ -8,6 +8,7 @@
 //        rets  o (B, T, K, R, H) the dtype of q, lse f32 (B, K, R, T)
 //   bwd  args  q, k, v, o, lse, do (the shape of o), q_segment_ids, kv_segment_ids,
 //              segment_uniform s32 (B) | (0): 1 where row b's ids are all one segment
+//              (optional with segment ids: empty keeps every row on the maskable kernels)
 //        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace)
 //   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
 //        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool
@@ -187,12 +188,12 @@ inline ffi::Error MakeAttentionBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   const int64_t kv_count = p->batch * p->kv_len * p->kv_heads * p->head_dim;
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(dk, t, kv_count, "dk"));
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(dv, t, kv_count, "dv"));
-  if (p->q_segment_ids != nullptr) {
+  if (p->q_segment_ids != nullptr && seg_uniform.element_count() != 0) {
     JAXGPU_RETURN_IF_ERROR(
         CheckBuffer(seg_uniform, ffi::DataType::S32, p->batch, "segment_uniform"));
     JAXGPU_RETURN_IF_ERROR(CheckDims(seg_uniform, {p->batch}, "segment_uniform"));
     p->segment_uniform = static_cast<const int32_t*>(seg_uniform.untyped_data());
-  } else if (seg_uniform.element_count() != 0) {
+  } else if (p->q_segment_ids == nullptr && seg_uniform.element_count() != 0) {
     return ffi::Error::InvalidArgument("segment_uniform: must be empty without segment ids");
   }
   p->o = const_cast<void*>(o.untyped_data());  // read-only in the backward pass

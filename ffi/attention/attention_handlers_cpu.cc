@@ -30,8 +30,7 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   const AttentionAttrs attrs{scale, softcap, causal, window_left, window_right, has_segments};
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
-                                                dq, dk, dv,
-                                                delta, attrs, &p));
+                                                dq, dk, dv, delta, attrs, &p));
   cpu::AttentionBwd(p);
   return ffi::Error::Success();
 }

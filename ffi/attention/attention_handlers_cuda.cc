@@ -46,8 +46,7 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
   AttentionParams p;
   const AttentionAttrs a{scale, softcap, causal, window_left, window_right, has_segments};
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
-                                                dq, dk, dv,
-                                                delta, a, &p));
+                                                dq, dk, dv, delta, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
   return CudaStatus(cuda::LaunchAttentionBwd(p, stream), "attention backward launch");
 }

@@ -59,8 +59,7 @@ inline bool NeedsMask(const AttentionParams& p, int block_n) {
 // ids mask nothing (H100, TUNING.md stop 20); two launches, each CTA returning at once
 // where the other kernel owned its row, cost as much again in empty CTAs.
 inline bool SplitsBySegmentRows(const AttentionParams& p, int block_n) {
-  return p.segment_uniform != nullptr && p.q_segment_ids != nullptr &&
-         !NeedsPositionMask(p, block_n);
+  return p.segment_uniform != nullptr && !NeedsPositionMask(p, block_n);
 }
 
 __device__ __forceinline__ bool RowMasksNothing(const AttentionParams& p, int64_t b) {

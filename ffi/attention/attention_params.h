@@ -39,8 +39,8 @@ struct AttentionParams {
   int64_t window_right;      // -1: unbounded
   const int32_t* q_segment_ids;   // nullptr: no segment ids
   const int32_t* kv_segment_ids;
-  // Backward, with segment ids: per batch row, 1 where its q and kv ids are all one segment
-  // (nothing masked by them), else 0. nullptr otherwise.
+  // Backward, with segment ids (optional): per batch row, 1 where its q and kv ids are all
+  // one segment (nothing masked by them), else 0. nullptr otherwise.
   const int32_t* segment_uniform;
 
   // Forward: reads q, k, v; writes o, lse.  Backward: reads q, k, v, o, lse, d_o; writes

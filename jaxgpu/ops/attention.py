@@ -18,15 +18,16 @@ the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
                                                 (workspace)
 Absent segment ids go to the kernels as int32 zeros((0,)) with has_segments=False. The
 backward also takes `uniform` int32 (B,), 1 where a batch row's q and kv ids are all one
-segment (`_segment_uniform`, a small XLA reduction in the per-shard body): the Hopper
-kernels run those rows without the mask when nothing else masks.
+segment (`_segment_uniform`, a small XLA reduction in the per-shard body; empty with a
+causal mask or window): the Hopper kernels run those rows without the mask.
 
 Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes per query
 row and head); both are kept for the backward pass with q, k, v and the segment ids, which
 are the inputs themselves (no copies). Backward: dq, dk, dv (the shapes and dtypes of q, k,
 v; dk and dv already reduced over the R query heads of each kv head) and delta, a float32
-workspace of B*N*T; with segment ids, the per-row flag `uniform` (4 bytes per batch row). No T x S array exists in either pass. With H % 8 != 0 (kernels only),
-zero-padded copies of q, k and v are made (and kept as the residuals instead of the
+workspace of B*N*T; with segment ids and no causal mask or window, the per-row flag
+`uniform` (4 bytes per batch row). No T x S array exists in either pass. With H % 8 != 0
+(kernels only), zero-padded copies of q, k and v are made (and kept as the residuals instead of the
 inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
 vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
 results are per example anyway.
@@ -114,9 +115,13 @@ class _Config:
                 causal=self.causal, window_left=np.int64(self.window[0]),
                 window_right=np.int64(self.window[1]), has_segments=self.has_segments)
 
+  @property
+  def positional(self) -> bool:
+    """Whether keys are masked by position (causal mask or window)."""
+    return self.causal or self.window != (-1, -1)
+
   def replicated(self) -> frozenset:
-    positional = self.causal or self.window != (-1, -1)
-    return frozenset({"h", "s", "t"} if positional else {"h", "s"})
+    return frozenset({"h", "s", "t"} if self.positional else {"h", "s"})
 
 
 def _segments(cfg: _Config, segs):
@@ -135,10 +140,13 @@ def _segment_uniform(q_seg, kv_seg):
 
 
 def _bwd_segments(cfg: _Config, segs):
-  """The backward's three segment operands: both sides' ids and the rows' uniformity."""
-  if cfg.has_segments:
+  """The backward's three segment operands: both sides' ids and the rows' uniformity. The
+  flag is only read where nothing masks by position, so it is left empty elsewhere (the
+  causal packed-training case pays no reduction for it)."""
+  empty = jnp.zeros((0,), jnp.int32)
+  if cfg.has_segments and not cfg.positional:
     return (*segs, _segment_uniform(*segs))
-  return (*_segments(cfg, segs), jnp.zeros((0,), jnp.int32))
+  return (*_segments(cfg, segs), empty)
 
 
 # ---- inner ops: FFI calls under the shared vmap / sharding rules ---------------------------
