@@ -5,7 +5,7 @@
     python3 benchmarks/bench_softmax.py --quick --no-write   # CPU smoke test: cpu vs xla
 
 Every case is timed for each implementation in the same run. The anchor is 'xla', the
-pure-JAX reference (jaxgpu.reference.softmax, float32 statistics) fused by XLA and
+pure-JAX reference (jaxgpu.reference.softmax.softmax, float32 statistics) fused by XLA and
 differentiated by plain autodiff. 'jaxnn' is jax.nn.softmax itself on the same input (its
 bf16 arithmetic and its custom_jvp backward, where= for the masks), timed alongside as the
 second XLA figure users know; the issue's targets are checked against the faster of the two.

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 import jaxgpu
-from jaxgpu import _ffi, _implementation
+from jaxgpu import _family, _ffi, _implementation
 
 # ---- info -----------------------------------------------------------------------------------
 
@@ -80,17 +80,8 @@ def _api_note(built: str | None, runtime: str | None) -> str:
 
 
 def public_ops() -> list[str]:
-  """The public kernel-backed ops: callables of jaxgpu.__all__ defined in jaxgpu.ops."""
-  return [name for name in jaxgpu.__all__
-          if callable(getattr(jaxgpu, name))
-          and getattr(getattr(jaxgpu, name), "__module__", "").startswith("jaxgpu.ops.")]
-
-
-def _target_stem(op: str) -> str:
-  """The stem of an op's FFI targets (jaxgpu_<stem>_fwd): the op's name, unless its module
-  maps it to another (dot_product_attention -> attention)."""
-  module = sys.modules[getattr(jaxgpu, op).__module__]
-  return getattr(module, "TARGET_STEMS", {}).get(op, op)
+  """The public kernel-backed ops, as the op families declare them (jaxgpu/_family.py)."""
+  return list(_family.all_ops())
 
 
 def _default_implementation() -> str:
@@ -165,13 +156,13 @@ def info() -> int:
   except Exception as e:  # a handler rejected at registration: say so, keep the rest of info
     print(f"registering the FFI targets FAILED: {type(e).__name__}: {e}")
     targets = {}
-  ops = public_ops()
+  ops = _family.all_ops()
   width = max((len(op) for op in ops), default=0)
-  print("ops (implementations available here, fastest first):")
-  for op in ops:
+  print("ops (family; implementations available here, fastest first):")
+  for name, (family, op) in ops.items():
     impls = [impl for impl in available
-             if impl == "xla" or f"jaxgpu_{_target_stem(op)}_fwd" in targets.get(impl, ())]
-    print(f"  {op:<{width}}  {', '.join(impls)}")
+             if impl == "xla" or set(op.targets.values()) <= targets.get(impl, frozenset())]
+    print(f"  {name:<{width}}  ({family.name}) {', '.join(impls)}")
   return 0
 
 
@@ -370,11 +361,13 @@ def bench(argv: list[str]) -> int:
           "  python -m jaxgpu bench [FAMILY] [ARGS]    (or python benchmarks/bench_norm.py --help)",
           file=sys.stderr)
     return 2
+  if family not in _family.FAMILY_NAMES:
+    print(f"jaxgpu bench: no op family {family!r}; families: {', '.join(_family.FAMILY_NAMES)}",
+          file=sys.stderr)
+    return 2
   script = root / f"bench_{family}.py"
   if not script.is_file():
-    known = sorted(p.stem[len("bench_"):] for p in root.glob("bench_*.py"))
-    print(f"jaxgpu bench: no {script.name} in {root}; families: {', '.join(known)}",
-          file=sys.stderr)
+    print(f"jaxgpu bench: {script} is missing from this checkout", file=sys.stderr)
     return 2
   cmd = [sys.executable, str(script), *argv]
   print(f"+ {shlex.join(cmd)}", flush=True)

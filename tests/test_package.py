@@ -11,17 +11,14 @@ import jax
 import pytest
 
 import jaxgpu
-from jaxgpu import _ffi, _implementation
+from jaxgpu import _family, _ffi, _implementation
 
 from conftest import HAS_CUDA
 
 REPO = Path(__file__).resolve().parents[1]
-# Every public op is traceable by name: its FFI targets are jaxgpu_<op>_fwd and _bwd.
-OPS = [name for name in jaxgpu.__all__
-       if callable(getattr(jaxgpu, name)) and getattr(jaxgpu, name).__module__.startswith("jaxgpu.ops")]
-# The target stem is the op's name, except where the op keeps jax.nn's longer name.
-TARGET_STEMS = {"dot_product_attention": "attention"}
-OP_TARGETS = {f"jaxgpu_{TARGET_STEMS.get(op, op)}_{p}" for op in OPS for p in ("fwd", "bwd")}
+FAMILIES = _family.families()
+# Every public op, as the families declare them.
+OPS = [op.name for f in FAMILIES for op in f.ops]
 
 
 def test_public_api():
@@ -32,13 +29,50 @@ def test_public_api():
   assert isinstance(jaxgpu.__version__, str)
 
 
-def test_registered_targets():
+def test_family_declarations():
+  """Each family names its module, declares ops that jaxgpu exports, and no target twice."""
+  assert [f.name for f in FAMILIES] == list(_family.FAMILY_NAMES)
+  exported = {name for name in jaxgpu.__all__ if callable(getattr(jaxgpu, name))
+              and getattr(jaxgpu, name).__module__.startswith("jaxgpu.ops")}
+  assert sorted(OPS) == sorted(exported), set(OPS) ^ exported
+  assert len(OPS) == len(set(OPS))
+  for f in FAMILIES:
+    for op in f.ops:
+      assert getattr(jaxgpu, op.name).__module__ == f"jaxgpu.ops.{f.name}", op.name
+      if op.differentiable:
+        assert len(op.targets) >= 2, f"{op.name}: a differentiable op needs a backward target"
+  targets = [t for f in FAMILIES for op in f.ops for t in op.targets.values()]
+  assert len(targets) == len(set(targets)), "a target declared twice"
+
+
+def test_declared_targets_are_the_compiled_ones():
+  """The compiled modules register exactly the targets the families declare: a handler
+  nobody calls, or a declared target with no handler, fails here."""
   targets = _ffi.registered_targets()
-  assert len(OPS) >= 11, OPS
-  assert OP_TARGETS <= set(targets["cpu"]), OP_TARGETS - set(targets["cpu"])
+  declared = _family.all_targets()
+  assert set(targets["cpu"]) == declared, set(targets["cpu"]) ^ declared
   if HAS_CUDA and _ffi.cuda_module() is not None:
-    assert OP_TARGETS <= set(targets["cuda"]), OP_TARGETS - set(targets["cuda"])
+    assert set(targets["cuda"]) == declared, set(targets["cuda"]) ^ declared
   assert _ffi.registered_targets() is targets  # registered once
+
+
+def test_declared_targets_are_in_the_ffi_sources():
+  """grep finds every target from Python to C++: each declared name appears literally in
+  its family's ffi/<family>/<family>_targets.h."""
+  for f in FAMILIES:
+    header = (REPO / "ffi" / f.name / f"{f.name}_targets.h").read_text()
+    for t in f.targets:
+      assert f'"{t}"' in header, (f.name, t)
+
+
+def test_op_target_lookup():
+  op = _family.all_ops()["rms_norm"][1]
+  assert op.target("fwd", None) == "jaxgpu_rms_norm_fwd"
+  assert op.target("bwd", "cpu") == "jaxgpu_rms_norm_bwd_cpu"
+  with pytest.raises(ValueError, match="no pass"):
+    op.target("dgrad", None)
+  with pytest.raises(ValueError, match="jaxgpu_"):
+    _family.Op("bad", {"fwd": "bad_fwd"})
 
 
 def test_target_names():

@@ -33,7 +33,7 @@ try:
 except ImportError:  # older jax
   from jax.experimental.shard_map import shard_map  # type: ignore
 
-reference = importlib.import_module("jaxgpu.reference.rope")
+from jaxgpu.reference import rope as reference
 rope_ops = importlib.import_module("jaxgpu.ops.rope")
 
 AxisType = jax.sharding.AxisType

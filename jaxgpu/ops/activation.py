@@ -39,9 +39,20 @@ import functools
 
 import jax
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import activation as reference
+
+_OPS = {
+    "relu": Op("relu", {"fwd": "jaxgpu_relu_fwd", "bwd": "jaxgpu_relu_bwd"}),
+    "sigmoid": Op("sigmoid", {"fwd": "jaxgpu_sigmoid_fwd", "bwd": "jaxgpu_sigmoid_bwd"}),
+    "silu": Op("silu", {"fwd": "jaxgpu_silu_fwd", "bwd": "jaxgpu_silu_bwd"}),
+    "gelu": Op("gelu", {"fwd": "jaxgpu_gelu_fwd", "bwd": "jaxgpu_gelu_bwd"}),
+    "swiglu": Op("swiglu", {"fwd": "jaxgpu_swiglu_fwd", "bwd": "jaxgpu_swiglu_bwd"}),
+    "geglu": Op("geglu", {"fwd": "jaxgpu_geglu_fwd", "bwd": "jaxgpu_geglu_bwd"}),
+}
+FAMILY = Family("activation", tuple(_OPS.values()))
 
 # Elementwise: a group axis and any number of other dims, none of them needing to be whole
 # on one device (nothing replicated), so every dim keeps its sharding.
@@ -60,7 +71,7 @@ class _Config:
   primal_types: tuple = ()     # of the differentiable inputs (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_{self.op}_{pass_}", self.implementation)
+    return _OPS[self.op].target(pass_, self.implementation)
 
   def attrs(self) -> dict:
     return {} if self.approximate is None else {"approximate": bool(self.approximate)}

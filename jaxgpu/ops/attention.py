@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 import math
 
 import jax
@@ -71,15 +70,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import (Layout, _explicit_spec, _in_explicit_mode, grouped_call,
                                match_primal_types, primal_types)
+from jaxgpu.reference import attention as reference
 
-# The module (jaxgpu.reference re-exports its function under the same name).
-reference = importlib.import_module("jaxgpu.reference.attention")
-
-# The op keeps jax.nn's name; its FFI targets are jaxgpu_attention_{fwd,bwd} (read by
-# `python -m jaxgpu info`).
-TARGET_STEMS = {"dot_product_attention": "attention"}
+# The op keeps jax.nn's name; its targets are named for the family.
+DOT_PRODUCT_ATTENTION = Op("dot_product_attention",
+                           {"fwd": "jaxgpu_attention_fwd", "bwd": "jaxgpu_attention_bwd"})
+FAMILY = Family("attention", (DOT_PRODUCT_ATTENTION,))
 
 MAX_HEAD_DIM = 256
 # The CUDA kernels load rows of 16 bytes (8 bf16/f16 features): H is padded to a multiple.
@@ -105,8 +104,7 @@ class _Config:
   primal_types: tuple = (None, None, None)  # of q (5-d), k, v (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    stem = TARGET_STEMS["dot_product_attention"]
-    return _ffi.target_name(f"jaxgpu_{stem}_{pass_}", self.implementation)
+    return DOT_PRODUCT_ATTENTION.target(pass_, self.implementation)
 
   def attrs(self) -> dict:
     # Typed as the handlers bind them (attention_handlers.h): a Python float would arrive
@@ -373,7 +371,7 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
     q_segment_ids, kv_segment_ids: (B, T) and (B, S) integer ids (converted to int32), both
       or neither: query i sees key j only when their ids are equal (packed sequences).
     implementation: None (the FFI kernel of the platform the computation runs on), 'cuda',
-      'cpu', or 'xla' (the pure-JAX reference, jaxgpu.reference.dot_product_attention).
+      'cpu', or 'xla' (the pure-JAX reference, jaxgpu.reference.attention.dot_product_attention).
       The CUDA kernels take bfloat16 and float16 only: with float32 inputs, None on a
       machine whose JAX has a CUDA backend runs the 'xla' reference instead, and 'cuda'
       raises ValueError.
@@ -383,7 +381,7 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
     A query with no visible key (all masked: window, segments) outputs zeros and gets a
     zero gradient, never NaN (jax.nn would output the mean of the values).
 
-  Equivalent pure JAX (jaxgpu.reference.dot_product_attention)::
+  Equivalent pure JAX (jaxgpu.reference.attention.dot_product_attention)::
 
     R = N // K
     k, v = jnp.repeat(key, R, axis=2), jnp.repeat(value, R, axis=2)

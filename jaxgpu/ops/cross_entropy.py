@@ -21,18 +21,20 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import importlib
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
+from jaxgpu.reference import cross_entropy as reference
 
-# The module, not the function of the same name that jaxgpu.reference re-exports (which is
-# what `from jaxgpu.reference import cross_entropy` would give).
-reference = importlib.import_module("jaxgpu.reference.cross_entropy")
+CROSS_ENTROPY = Op("cross_entropy",
+                   {"fwd": "jaxgpu_cross_entropy_fwd", "bwd": "jaxgpu_cross_entropy_bwd"})
+FAMILY = Family("cross_entropy", (CROSS_ENTROPY,))
+
 
 _LOGITS = "g ... d"    # (G, ...positions, V): V is gathered if sharded
 _ROW = "g ..."         # (G, ...positions): labels, loss, lse, dloss
@@ -52,7 +54,7 @@ class _Config:
   primal_types: tuple = (None,)  # of logits (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_cross_entropy_{pass_}", self.implementation)
+    return CROSS_ENTROPY.target(pass_, self.implementation)
 
   def attrs(self) -> dict:
     return dict(ignore_index=np.int32(0 if self.ignore_index is None else self.ignore_index),

@@ -20,8 +20,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import norm as reference
+
+RMS_NORM = Op("rms_norm", {"fwd": "jaxgpu_rms_norm_fwd", "bwd": "jaxgpu_rms_norm_bwd"})
+LAYER_NORM = Op("layer_norm", {"fwd": "jaxgpu_layer_norm_fwd", "bwd": "jaxgpu_layer_norm_bwd"})
+FAMILY = Family("norm", (RMS_NORM, LAYER_NORM))
 
 _ROWS = "g ... d"       # (G, ...rows, D)
 _PARAM = "[g] d"        # (G or 1, D)
@@ -41,7 +46,7 @@ class _Config:
   primal_types: tuple = (None,) * 4  # of x, weight, bias, residual (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_{self.kind}_norm_{pass_}", self.implementation)
+    return (RMS_NORM if self.kind == "rms" else LAYER_NORM).target(pass_, self.implementation)
 
 
 def _empty(dtype):

@@ -14,18 +14,20 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import functools
-import importlib
 import math
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
+from jaxgpu.reference import rope as reference
 
-# The module, not the function jaxgpu.reference re-exports under the same name.
-reference = importlib.import_module("jaxgpu.reference.rope")
+ROPE = Op("rope", {"fwd": "jaxgpu_rope_fwd", "bwd": "jaxgpu_rope_bwd"})
+FAMILY = Family("rope", (ROPE,))
+
 
 LAYOUTS = reference.LAYOUTS
 
@@ -65,7 +67,7 @@ class _Config:
   tuning: tuple = (0, 0)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_rope_{pass_}", self.implementation)
+    return ROPE.target(pass_, self.implementation)
 
 
 def _rotate(cfg: _Config, x, positions, inverse: bool):

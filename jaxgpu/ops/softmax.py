@@ -40,10 +40,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
+from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
-# (jaxgpu.reference.softmax is the function: jaxgpu/reference/__init__.py re-exports it.)
-from jaxgpu.reference.softmax import softmax as _reference_softmax
+from jaxgpu.reference import softmax as reference
+
+SOFTMAX = Op("softmax", {"fwd": "jaxgpu_softmax_fwd", "bwd": "jaxgpu_softmax_bwd"})
+FAMILY = Family("softmax", (SOFTMAX,))
 
 # Row-dim groups of the mask's index map the kernels accept (ffi/softmax/softmax_params.h:
 # kSoftmaxMaxDims). The public check leaves one for the group axis vmap may add.
@@ -58,7 +61,7 @@ class _Config:
   primal_types: tuple = (None, None)  # of x and mask (see _kernel_op)
 
   def target(self, pass_: str) -> str:
-    return _ffi.target_name(f"jaxgpu_softmax_{pass_}", self.implementation)
+    return SOFTMAX.target(pass_, self.implementation)
 
 
 # ---- layouts -----------------------------------------------------------------------------------
@@ -214,7 +217,7 @@ def softmax(x, *, scale=None, is_causal=False, mask=None, implementation=None):
     (or whose kept logits are all -inf) is all zeros, never NaN, and its gradient is zero; a
     kept NaN or +inf logit makes its row NaN.
 
-  Equivalent pure JAX (jaxgpu.reference.softmax)::
+  Equivalent pure JAX (jaxgpu.reference.softmax.softmax)::
 
     xf = x.astype(jnp.float32) * scale
     keep = mask & jnp.tril(jnp.ones((T, S), bool))        # the parts that apply
@@ -245,7 +248,7 @@ def softmax(x, *, scale=None, is_causal=False, mask=None, implementation=None):
     mask = _check_mask(op, mask, x)
   impl = _implementation.resolve(implementation)
   if impl == "xla" or x.size == 0:
-    return _reference_softmax(x, scale=None if scale is None else scale_value,
+    return reference.softmax(x, scale=None if scale is None else scale_value,
                              is_causal=is_causal, mask=mask)
   cfg = _Config(scale_value, is_causal, impl, primal_types(x, mask))
   return _softmax(cfg, x, mask)

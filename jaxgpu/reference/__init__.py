@@ -1,18 +1,11 @@
 """Pure-JAX implementations: the 'xla' implementation of every op and the test oracle.
 
-The functions are re-exported here (jaxgpu.reference.rms_norm, ...). Where an op shares its
-family's name (rope, softmax, cross_entropy), `jaxgpu.reference.<name>` is the function;
-the module is `importlib.import_module("jaxgpu.reference.<name>")`.
+One module per op family, named as in jaxgpu/ops: `jaxgpu.reference.norm.rms_norm`,
+`jaxgpu.reference.rope.rope`, `jaxgpu.reference.attention.dot_product_attention`, ...
+The package re-exports no functions, so that `jaxgpu.reference.<family>` is always the
+module (an op named like its family, such as rope or softmax, would otherwise shadow it).
 """
 
-from jaxgpu.reference.activation import geglu, gelu, relu, sigmoid, silu, swiglu
-from jaxgpu.reference.attention import dot_product_attention
-from jaxgpu.reference.cross_entropy import cross_entropy
-from jaxgpu.reference.norm import layer_norm, rms_norm
-from jaxgpu.reference.rope import rope
-from jaxgpu.reference.softmax import softmax
+from jaxgpu.reference import activation, attention, cross_entropy, norm, rope, softmax
 
-__all__ = [
-    "cross_entropy", "dot_product_attention", "geglu", "gelu", "layer_norm", "relu", "rms_norm",
-    "rope", "sigmoid", "silu", "softmax", "swiglu",
-]
+__all__ = ["activation", "attention", "cross_entropy", "norm", "rope", "softmax"]
