@@ -10,7 +10,7 @@ the figures in TUNING.md.
 Passes: fwd (the op under jit), bwd (the jitted vjp closure on residuals computed before the
 timing: dQ, dK/dV and delta only) and fwd+bwd (bench_attention.py's training step). TFLOP/s
 use bench_attention.py's convention: 4 B T S N H forward, halved when causal; the backward
-2.5x that. Inputs are rotated past 3x L2 and timed with harness.time_fns (DESIGN.md
+2.5x that. Inputs are rotated past 3x L2 and timed with timing.time_fns (DESIGN.md
 section 6), so the figures are comparable with RESULTS.md's.
 """
 
@@ -27,7 +27,9 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, bench_attention.py
 
 import bench_attention  # noqa: E402
-import harness  # noqa: E402
+from benchlib import device  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import timing  # noqa: E402
 
 TOKENS = bench_attention.TOKENS
 PASSES = tuple(bench_attention.PASS_FLOPS)
@@ -111,8 +113,8 @@ def pass_fn_and_args(v: Variant, pass_: str, key, l2_bytes: int, implementation:
         one = functools.partial(make_inputs, v=v, with_do=True)
         if pass_ == "fwd+bwd":
             timed = jax.jit(bench_attention.vjp_step(fn))
-    nbytes = harness.tree_nbytes(jax.eval_shape(one, key))
-    sets = harness.make_arg_sets(one, key, nbytes, l2_bytes,
+    nbytes = inputs.tree_nbytes(jax.eval_shape(one, key))
+    sets = inputs.make_arg_sets(one, key, nbytes, l2_bytes,
                                  max_copies=None if rotate else 1)
     if pass_ == "bwd":  # the residuals (o, lse) come from a forward outside the timing
         def residuals(q, k, val, q_seg, kv_seg, do):
@@ -131,8 +133,8 @@ def time_build(args) -> int:
     if args.implementation not in jaxgpu.available_implementations():
         print(f"jaxgpu here has no {args.implementation!r} implementation", file=sys.stderr)
         return 1
-    l2 = harness.DEFAULT_L2_BYTES
-    config = harness.TimingConfig(repeats=args.repeats)
+    l2 = device.DEFAULT_L2_BYTES
+    config = timing.TimingConfig(repeats=args.repeats)
     key = jax.random.PRNGKey(args.seed)
     rows = []
     for name in args.variants:
@@ -147,7 +149,7 @@ def time_build(args) -> int:
                 for s in sets[:1] * 3:
                     jax.block_until_ready(fn(*s))
                 continue
-            t = harness.time_fn(fn, sets, config)
+            t = timing.time_fn(fn, sets, config)
             row = dict(label=args.label, variant=name, pass_=pass_, us=t.median_s * 1e6,
                        tflops=v.flops(pass_) / t.median_s / 1e12, spread=t.spread)
             rows.append(row)

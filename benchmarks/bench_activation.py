@@ -25,6 +25,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "activation"
 ANCHOR = "xla"
@@ -108,11 +110,11 @@ def make_inputs(key, rows: int, cols: int, dtype, gated: bool, pass_: str):
     import jax
 
     kx, ku, kc = jax.random.split(key, 3)
-    args = [harness.random_array(kx, (rows, cols), dtype, scale=2.0)]
+    args = [inputs.random_array(kx, (rows, cols), dtype, scale=2.0)]
     if gated:
-        args.append(harness.random_array(ku, (rows, cols), dtype))
+        args.append(inputs.random_array(ku, (rows, cols), dtype))
     if pass_ != "fwd":
-        args.append(harness.random_array(kc, (rows, cols), dtype))
+        args.append(inputs.random_array(kc, (rows, cols), dtype))
     return tuple(args)
 
 
@@ -140,8 +142,8 @@ def run(bench: harness.Bench) -> None:
                 nbytes = bytes_moved(rows, cols, itemsize, gated, pass_)
                 one = functools.partial(make_inputs, rows=rows, cols=cols, dtype=dtype,
                                         gated=gated, pass_=pass_)
-                set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-                arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+                set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+                arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                                  max_copies=max_copies)
                 if pass_ == "fwd":
                     fns = {impl: make_fwd(name, impl) for impl in impls}
@@ -158,8 +160,8 @@ def run(bench: harness.Bench) -> None:
                                          fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,))
                 for r in recs:
                     print(f"  {label:<22} {case:<12} {pass_:<8} {r.implementation:<5} "
-                          f"{r.time_us:9.1f} us {harness.fmt(r.gbs, '7.0f')} GB/s "
-                          f"{harness.fmt(r.vs_anchor, '.2f')}x", flush=True)
+                          f"{r.time_us:9.1f} us {record.fmt(r.gbs, '7.0f')} GB/s "
+                          f"{record.fmt(r.vs_anchor, '.2f')}x", flush=True)
                 del arg_sets, fns
 
 

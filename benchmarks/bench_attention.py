@@ -36,6 +36,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "attention"
 ANCHOR = "cudnn"
@@ -63,14 +65,14 @@ def random_inputs(key, b: int, t: int, n: int, k: int, h: int, dtype, segments: 
     import jax.numpy as jnp
 
     kq, kk, kv, kd = jax.random.split(key, 4)
-    q = harness.random_array(kq, (b, t, n, h), dtype)
-    key_ = harness.random_array(kk, (b, t, k, h), dtype)
-    v = harness.random_array(kv, (b, t, k, h), dtype)
+    q = inputs.random_array(kq, (b, t, n, h), dtype)
+    key_ = inputs.random_array(kk, (b, t, k, h), dtype)
+    v = inputs.random_array(kv, (b, t, k, h), dtype)
     segs = (None, None)
     if segments:
         segs = (jnp.zeros((b, t), jnp.int32), jnp.zeros((b, t), jnp.int32))
     args = (q, key_, v) + segs
-    return args + (harness.random_array(kd, q.shape, dtype),) if with_do else args
+    return args + (inputs.random_array(kd, q.shape, dtype),) if with_do else args
 
 
 def vjp_step(fn):
@@ -252,8 +254,8 @@ def run(bench: harness.Bench) -> None:
         for pass_ in ("fwd", "fwd+bwd"):
             key, sub = jax.random.split(key)
             one = functools.partial(make_inputs, case=case, dtype=dtype, pass_=pass_)
-            set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-            arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                              max_copies=2 if bench.quick else None)
             make = make_fwd if pass_ == "fwd" else make_fwd_bwd
             fns = {}
@@ -278,8 +280,8 @@ def run(bench: harness.Bench) -> None:
             _mark_targets(bench, case, pass_, recs, plain_times)
             for r in recs:
                 print(f"  {case.op:<14} {case.label():<24} {pass_:<8} {r.implementation:<6} "
-                      f"{r.time_us:10.1f} us {harness.fmt(r.tflops, '7.1f')} TFLOP/s "
-                      f"{harness.fmt(r.vs_anchor, '.2f')}x {ANCHOR}"
+                      f"{r.time_us:10.1f} us {record.fmt(r.tflops, '7.1f')} TFLOP/s "
+                      f"{record.fmt(r.vs_anchor, '.2f')}x {ANCHOR}"
                       + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]"
                          if r.target else ""), flush=True)
             del arg_sets, fns

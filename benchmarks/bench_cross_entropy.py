@@ -21,6 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "cross_entropy"
 ANCHOR = "xla"
@@ -93,7 +95,7 @@ def make_inputs(key, rows: int, vocab: int, dtype, ignore: bool):
     import jax.numpy as jnp
 
     kx, kl, ki = jax.random.split(key, 3)
-    logits = harness.random_array(kx, (rows, vocab), dtype, scale=2.0)
+    logits = inputs.random_array(kx, (rows, vocab), dtype, scale=2.0)
     labels = jax.random.randint(kl, (rows,), 0, vocab, jnp.int32)
     if ignore:
         labels = jnp.where(jax.random.uniform(ki, (rows,)) < 0.1, -100, labels)
@@ -139,8 +141,8 @@ def run(bench: harness.Bench) -> None:
                 key, sub = jax.random.split(key)
                 one = functools.partial(make_inputs, rows=rows, vocab=vocab, dtype=dtype,
                                         ignore="ignore_index" in options)
-                set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-                arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+                set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+                arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                                  max_copies=max_copies)
                 make = make_fwd if pass_ == "fwd" else make_fwd_bwd
                 fns = {impl: make(impl, options) for impl in impls}
@@ -158,8 +160,8 @@ def run(bench: harness.Bench) -> None:
                         memory.append({"op": op, "case": case, "pass": pass_,
                                        "implementation": r.implementation, **mem})
                     print(f"  {op:<16} {case:<12} {pass_:<8} {r.implementation:<5} "
-                          f"{r.time_us:9.1f} us {harness.fmt(r.gbs, '7.0f')} GB/s "
-                          f"{harness.fmt(r.vs_anchor, '.2f')}x", flush=True)
+                          f"{r.time_us:9.1f} us {record.fmt(r.gbs, '7.0f')} GB/s "
+                          f"{record.fmt(r.vs_anchor, '.2f')}x", flush=True)
                 del arg_sets, fns
     if memory:
         logits_bytes = {f"{r}x{v}": r * v * itemsize for r, v in shapes}

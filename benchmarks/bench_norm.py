@@ -17,6 +17,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "norm"
 ANCHOR = "xla"
@@ -105,16 +107,16 @@ def make_inputs(key, rows: int, hidden: int, dtype, n_params: int, residual: boo
     import jax
 
     kx, kp, kr, kc1, kc2 = jax.random.split(key, 5)
-    x = harness.random_array(kx, (rows, hidden), dtype)
+    x = inputs.random_array(kx, (rows, hidden), dtype)
     pkeys = jax.random.split(kp, n_params)
     # weight ~ N(1, 0.1) as after training; bias ~ N(0, 0.1)
-    params = tuple(harness.random_array(k, (hidden,), dtype, scale=0.1, offset=1.0 if i == 0 else 0.0)
+    params = tuple(inputs.random_array(k, (hidden,), dtype, scale=0.1, offset=1.0 if i == 0 else 0.0)
                    for i, k in enumerate(pkeys))
-    r = harness.random_array(kr, (rows, hidden), dtype) if residual else None
+    r = inputs.random_array(kr, (rows, hidden), dtype) if residual else None
     if pass_ == "fwd":
         return (x, params, r)
-    dy = harness.random_array(kc1, (rows, hidden), dtype)
-    ct = (dy, harness.random_array(kc2, (rows, hidden), dtype)) if residual else dy
+    dy = inputs.random_array(kc1, (rows, hidden), dtype)
+    ct = (dy, inputs.random_array(kc2, (rows, hidden), dtype)) if residual else dy
     return (x, params, r, ct)
 
 
@@ -149,8 +151,8 @@ def run(bench: harness.Bench) -> None:
                     one = functools.partial(make_inputs, rows=rows, hidden=hidden, dtype=dtype,
                                             n_params=n_params, residual=residual, pass_=pass_)
                     # the rotated inputs are what each call reads: x (+ residual, cotangents)
-                    set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-                    arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+                    set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+                    arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                                      max_copies=max_copies)
                     if pass_ == "fwd":
                         fns = {impl: make_fwd(op, impl) for impl in impls}
@@ -165,8 +167,8 @@ def run(bench: harness.Bench) -> None:
                         attach_targets(bench, recs, op, residual, pass_)
                     for r in recs:
                         print(f"  {name:<16} {case:<12} {pass_:<8} {r.implementation:<5} "
-                              f"{r.time_us:9.1f} us {harness.fmt(r.gbs, '7.0f')} GB/s "
-                              f"{harness.fmt(r.vs_anchor, '.2f')}x", flush=True)
+                              f"{r.time_us:9.1f} us {record.fmt(r.gbs, '7.0f')} GB/s "
+                              f"{record.fmt(r.vs_anchor, '.2f')}x", flush=True)
                     del arg_sets, fns
 
 

@@ -21,6 +21,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "rope"
 ANCHOR = "xla"
@@ -118,12 +120,12 @@ def make_inputs(key, shape, dtype, shared: bool, pass_: str):
     import jax.numpy as jnp
 
     kx, kp, kc = jax.random.split(key, 3)
-    x = harness.random_array(kx, shape, dtype)
+    x = inputs.random_array(kx, shape, dtype)
     pshape = (shape[1],) if shared else shape[:2]
     positions = jax.random.randint(kp, pshape, 0, MAX_POSITION, jnp.int32)
     if pass_ == "fwd":
         return (x, positions)
-    return (x, positions, harness.random_array(kc, shape, dtype))
+    return (x, positions, inputs.random_array(kc, shape, dtype))
 
 
 def _tuned_fns(impl, layout, rotary_dim, pass_, args):
@@ -163,8 +165,8 @@ def run(bench: harness.Bench) -> None:
             key, sub = jax.random.split(key)
             one = functools.partial(make_inputs, shape=shape, dtype=dtype, shared=shared,
                                     pass_=pass_)
-            set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-            arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                              max_copies=max_copies)
             fns = {impl: make_fn(impl, layout, rotary_dim, pass_) for impl in impls}
             if bench.args.sweep and name == TARGET_CASE:
@@ -181,7 +183,7 @@ def run(bench: harness.Bench) -> None:
                                      fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,), skip=(NAIVE,))
             for r in recs:
                 print(f"  {name:<18} {pass_:<8} {r.implementation:<14} {r.time_us:9.1f} us "
-                      f"{harness.fmt(r.gbs, '7.0f')} GB/s {harness.fmt(r.vs_anchor, '.2f')}x",
+                      f"{record.fmt(r.gbs, '7.0f')} GB/s {record.fmt(r.vs_anchor, '.2f')}x",
                       flush=True)
             del arg_sets, fns
 

@@ -20,6 +20,8 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
+from benchlib import inputs  # noqa: E402
+from benchlib import record  # noqa: E402
 
 FAMILY = "softmax"
 ANCHOR = "xla"
@@ -115,14 +117,14 @@ def make_inputs(key, x_shape, mask_shape, dtype, pass_: str):
     import jax
 
     kx, km, kc = jax.random.split(key, 3)
-    x = harness.random_array(kx, x_shape, dtype, scale=2.0)
+    x = inputs.random_array(kx, x_shape, dtype, scale=2.0)
     mask = None
     if mask_shape is not None:
         mask = jax.random.uniform(km, mask_shape) < 0.9
         mask = mask.at[..., 0].set(True)
     if pass_ == "fwd":
         return (x, mask)
-    return (x, mask, harness.random_array(kc, x_shape, dtype))
+    return (x, mask, inputs.random_array(kc, x_shape, dtype))
 
 
 def run(bench: harness.Bench) -> None:
@@ -147,8 +149,8 @@ def run(bench: harness.Bench) -> None:
             nbytes = bytes_moved(x_shape, is_causal, mask_shape, itemsize, pass_)
             one = functools.partial(make_inputs, x_shape=x_shape, mask_shape=mask_shape,
                                     dtype=dtype, pass_=pass_)
-            set_bytes = harness.tree_nbytes(jax.eval_shape(one, sub))
-            arg_sets = harness.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                              max_copies=max_copies)
             make = make_fwd if pass_ == "fwd" else make_fwd_bwd
             fns = {impl: make(impl, is_causal) for impl in impls}
@@ -161,8 +163,8 @@ def run(bench: harness.Bench) -> None:
                                      fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR, JAX_NN))
             for r in recs:
                 print(f"  {name:<16} {case:<16} {pass_:<8} {r.implementation:<5} "
-                      f"{r.time_us:9.1f} us {harness.fmt(r.gbs, '7.0f')} GB/s "
-                      f"{harness.fmt(r.vs_anchor, '.2f')}x", flush=True)
+                      f"{r.time_us:9.1f} us {record.fmt(r.gbs, '7.0f')} GB/s "
+                      f"{record.fmt(r.vs_anchor, '.2f')}x", flush=True)
             del arg_sets, fns
 
 

@@ -1,0 +1,1 @@
+"""The benchmark harness's parts, one job each (see benchmarks/harness.py)."""

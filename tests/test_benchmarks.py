@@ -1,0 +1,89 @@
+"""The benchmark harness (benchmarks/harness.py, benchmarks/benchlib/): result files, the
+generated RESULTS.md and README table, and a quick CPU run of one family's script."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from benchlib import results  # noqa: E402
+from benchlib.record import Record  # noqa: E402
+
+
+def _record(impl, pass_, time_us, gbs=None, tflops=None, op="rms_norm", case="16384x8192"):
+  return Record(family="norm", op=op, case=case, shape=[16384, 8192], dtype="bfloat16",
+                implementation=impl, pass_=pass_, time_us=time_us, time_min_us=time_us,
+                time_max_us=time_us, calls=10, repeats=3, gbs=gbs, tflops=tflops,
+                anchor="xla").to_json()
+
+
+def _entry(records, commit="abc1234"):
+  return {"date": "2026-11-25T00:00:00+00:00", "commit": commit, "jax": "0.11.2",
+          "jaxlib": "0.11.2", "device_kind": "NVIDIA H100 80GB HBM3", "records": records}
+
+
+def test_merge_keeps_other_families(tmp_path):
+  path = tmp_path / "h100.json"
+  results.merge_family(path, "h100", "norm", _entry([_record("cuda", "fwd", 10.0)]))
+  results.merge_family(path, "h100", "softmax", _entry([], commit="def5678"))
+  results.merge_family(path, "h100", "norm", _entry([_record("cuda", "fwd", 9.0)], "0000001"))
+  doc = json.loads(path.read_text())
+  assert set(doc["families"]) == {"norm", "softmax"}
+  assert doc["families"]["norm"]["commit"] == "0000001"
+  assert doc["families"]["softmax"]["commit"] == "def5678"
+
+
+def test_readme_table_ratio_is_against_the_fastest_other(tmp_path):
+  recs = [_record("cuda", "fwd", 10.0, gbs=2900.0), _record("xla", "fwd", 12.0, gbs=2400.0),
+          _record("jaxnn", "fwd", 11.0, gbs=2600.0), _record("cuda", "fwd+bwd", 20.0, gbs=2500.0),
+          _record("xla", "fwd+bwd", 19.0, gbs=2600.0)]
+  results.merge_family(tmp_path / "h100.json", "h100", "norm", _entry(recs))
+  table = results.render_readme_table(tmp_path, "h100")
+  row = next(line for line in table.splitlines() if line.startswith("| `rms_norm` "))
+  cells = [c.strip() for c in row.strip("|").split("|")]
+  assert cells[1:] == ["2900 GB/s", "1.10x jaxnn", "2500 GB/s", "0.95x xla"], cells
+  assert "norm at `abc1234`" in table
+
+
+def test_readme_table_replaces_only_its_block(tmp_path):
+  results.merge_family(tmp_path / "h100.json", "h100", "norm",
+                       _entry([_record("cuda", "fwd", 10.0, gbs=1.0)]))
+  readme = tmp_path / "README.md"
+  readme.write_text(f"before\n{results.README_BEGIN}\nstale\n{results.README_END}\nafter\n")
+  assert results.write_readme_table(readme, tmp_path)
+  text = readme.read_text()
+  assert text.startswith("before\n") and text.endswith(f"{results.README_END}\nafter\n")
+  assert "stale" not in text and "`rms_norm`" in text
+  readme.write_text("no markers\n")
+  assert not results.write_readme_table(readme, tmp_path)
+  assert readme.read_text() == "no markers\n"
+
+
+def test_repository_readme_table_is_generated():
+  """The README's table is what the harness renders from benchmarks/results/ (regenerate
+  with `python3 benchmarks/harness.py`)."""
+  text = (REPO / "README.md").read_text()
+  begin = text.index(results.README_BEGIN) + len(results.README_BEGIN)
+  end = text.index(results.README_END)
+  assert text[begin:end].strip() == results.render_readme_table().strip()
+
+
+def test_quick_bench_runs_on_cpu(tmp_path):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  out = subprocess.run(
+      [sys.executable, str(REPO / "benchmarks" / "bench_norm.py"), "--quick", "--no-write",
+       "--no-anchors", "--out", str(tmp_path)],
+      cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-2000:]
+  doc = json.loads((tmp_path / "cpu.json").read_text())
+  recs = doc["families"]["norm"]["records"]
+  assert {r["implementation"] for r in recs} == {"cpu", "xla"}
+  assert (tmp_path / "RESULTS.md").exists()
