@@ -535,7 +535,7 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
         "% ceil = GB/s over the device-copy ceiling; vs anchor = anchor time / time (>1 is faster),",
         "the anchor measured in the same run.  Times marked * are within 1.5x of the dispatch floor.",
         "What limits each kernel, with the profiles and rejected experiments behind the figures:",
-        "`benchmarks/TUNING.md` (one section per kernel and stop).",
+        "`docs/perf/<family>.md` (the design, its measurements, rejected designs, open ideas).",
         "",
     ]
     files = sorted(results_dir.glob("*.json")) if results_dir.exists() else []
