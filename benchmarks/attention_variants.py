@@ -1,7 +1,7 @@
 """A/B timing of the attention kernels: one build's TFLOP/s per option set, for comparing
-builds that differ in one kernel change (benchmarks/ab_on_gpu.sh runs it once per build,
+builds that differ in one kernel change (tools/ab_on_gpu.sh runs it once per build,
 interleaved). bench_attention.py is the published benchmark; this is the tuning tool behind
-the figures in TUNING.md.
+the figures in docs/perf/attention.md.
 
     python3 benchmarks/attention_variants.py --label base --json ab.jsonl   # time, append
     python3 benchmarks/attention_variants.py --summarize ab.jsonl           # the table
@@ -10,7 +10,7 @@ the figures in TUNING.md.
 Passes: fwd (the op under jit), bwd (the jitted vjp closure on residuals computed before the
 timing: dQ, dK/dV and delta only) and fwd+bwd (bench_attention.py's training step). TFLOP/s
 use bench_attention.py's convention: 4 B T S N H forward, halved when causal; the backward
-2.5x that. Inputs are rotated past 3x L2 and timed with timing.time_fns (DESIGN.md
+2.5x that. Inputs are rotated past 3x L2 and timed with timing.time_fns (docs/design.md
 section 6), so the figures are comparable with RESULTS.md's.
 """
 

@@ -15,7 +15,7 @@ An implementation that cannot run a case (not built, out of memory, unsupported 
 or option) is recorded as skipped, with the reason, under the family's "skipped" key in the
 results JSON: it never costs the others their figures.
 
-FLOPs (DESIGN.md section 6): 4*B*T*S*N*H for the forward pass, halved under the causal
+FLOPs (docs/design.md section 6): 4*B*T*S*N*H for the forward pass, halved under the causal
 mask; the backward pass counts 2.5x the forward, so forward+backward is 3.5x.
 
 Targets (on the H100): forward >= 360 and forward+backward >= 300 TFLOP/s at H = 128,

@@ -1,5 +1,5 @@
 """torch's FlashAttention-2 (SDPA's FLASH_ATTENTION backend) on the same GPU, for the
-comparison in benchmarks/TUNING.md: forward, backward and forward+backward TFLOP/s at the
+comparison in docs/perf/attention.md: forward, backward and forward+backward TFLOP/s at the
 shapes of bench_attention.py (bf16, B*T = 16k tokens), and the backward again under
 torch.use_deterministic_algorithms(True), checking that its gradients are then bitwise
 equal across two runs (they are not without it: dQ is summed with atomics).

@@ -74,7 +74,7 @@ def _api_note(built: str | None, runtime: str | None) -> str:
   note = f", FFI API {built}"
   b, r = _parse_api(built), _parse_api(runtime or "")
   if b and r and b > r:
-    # DESIGN.md section 4: a newer handler is rejected by an older runtime.
+    # docs/design.md section 4: a newer handler is rejected by an older runtime.
     note += f" -- NEWER than jaxlib's {runtime}: its handlers will be rejected; rebuild"
   return note
 

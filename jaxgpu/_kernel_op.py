@@ -1,6 +1,6 @@
 """The transform stack every kernel-backed op shares: batching and partitioning rules.
 
-Order, from the outside in (DESIGN.md section 3; custom_partitioning has no batching or
+Order, from the outside in (docs/design.md section 3; custom_partitioning has no batching or
 JVP rule, and custom_vmap does not compose with reverse-mode AD):
 
   1. jax.custom_vjp            on the public function (in jaxgpu/ops/<family>.py); its fwd

@@ -8,7 +8,7 @@ jaxgpu.reference, and it is tested against these like every kernel.
   * float64 gradient oracles: jax.grad of the jnp references below under a local x64
     context (`x64()`), never a global jax_enable_x64;
   * low-precision jnp references (`lowp_*`: statistics in float32, results in the input
-    dtype) whose error against float64 sets the budget (DESIGN.md section 7): a result's
+    dtype) whose error against float64 sets the budget (docs/design.md section 7): a result's
     max error against float64 may be at most 2x the low-precision reference's, plus a
     small rounding atol. NaN never passes.
 """

@@ -17,7 +17,7 @@ REPO_DIR = Path(__file__).resolve().parents[2]
 # Hardware ceilings.
 #
 # h100: measured on the `nvidia-h100-x1` device machine (NVIDIA H100 80GB HBM3, 132 SMs,
-#   driver 580.159.04, jax 0.11.2), 2026-11-22:
+#   driver 580.159.04, jax 0.11.2), 2026-11-22, docs/design.md section 5:
 #   - device copy about 3.0 TB/s counting read + write (the 3.35 TB/s spec-sheet figure is not
 #     reachable by any kernel, so the measured copy is the honest 100%);
 #   - bf16 8192^3 matmul about 800 TFLOP/s;
@@ -37,10 +37,10 @@ class Ceiling:
 
 CEILINGS: dict[str, Ceiling] = {
     "h100": Ceiling(hbm_gbs=3000.0, bf16_tflops=800.0, l2_bytes=50 * 2**20,
-                    source="measured on nvidia-h100-x1, 2026-11-22"),
+                    source="measured on nvidia-h100-x1, 2026-11-22 (docs/design.md section 5)"),
 }
 DEFAULT_L2_BYTES = 50 * 2**20  # H100/H200 L2; only used to size the rotated input set
-ROTATE_FACTOR = 3  # rotated inputs must exceed 3x L2 (docs/design.md, 'How to measure')
+ROTATE_FACTOR = 3  # rotated inputs must exceed 3x L2 (docs/design.md section 6)
 
 
 

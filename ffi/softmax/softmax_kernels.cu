@@ -529,7 +529,7 @@ __global__ void __launch_bounds__(kMaxThreads) SoftmaxFwdLoop(const FwdArgs a) {
 // One ex2 per element (half of version 1's MUFU time), one barrier per row (none for rows of
 // <= 32 threads). Registers (ptxas, sm_90, bf16, no mask): 39 / 60 / 98 at 2 / 4 / 8
 // vectors a thread, no spills: mostly the exps' VPT * VEC floats. The row is loaded straight
-// into registers, one block per 256 threads' rows. Measured on the H100 (TUNING.md): 2944
+// into registers, one block per 256 threads' rows. H100 (docs/perf/softmax.md section 3): 2944
 // GB/s at (16384, 8192) bf16, where persistent blocks cp.async'ing the next 1-2 rows into
 // shared memory while computing the current one reached only 2265-2599 (removed).
 

@@ -3,18 +3,19 @@
 # and the tree with each patch applied, then times every build with attention_variants.py,
 # the builds interleaved round by round (clock and thermal drift hit all of them alike).
 #
-#   git diff main experiment/x > .carry/x.patch      # on the development machine
-#   bash benchmarks/ab_on_gpu.sh .carry/x.patch .carry/y.patch
-#   ROUNDS=3 VARIANTS=opts,seg,cap PASSES=bwd bash benchmarks/ab_on_gpu.sh .carry/x.patch
-#   NCU=1 VARIANTS=opts PASSES=bwd bash benchmarks/ab_on_gpu.sh .carry/x.patch  # per kernel
-#   JAXGPU_CUDA=OFF AB_ARGS="--implementation cpu --t 64" bash benchmarks/ab_on_gpu.sh  # smoke
+#   git diff main experiment/x > /tmp/x.patch      # a kernel change as a patch
+#   bash tools/ab_on_gpu.sh /tmp/x.patch /tmp/y.patch
+#   ROUNDS=3 VARIANTS=opts,seg,cap PASSES=bwd bash tools/ab_on_gpu.sh /tmp/x.patch
+#   NCU=1 VARIANTS=opts PASSES=bwd bash tools/ab_on_gpu.sh /tmp/x.patch  # per kernel
+#   JAXGPU_CUDA=OFF AB_ARGS="--implementation cpu --t 64" bash tools/ab_on_gpu.sh  # smoke
 #
-# Writes under $OUT (the device tool brings back 8 files at most): ab.jsonl (one line per
+# Writes under the output folder given by OUT (default /tmp/out): ab.jsonl (one line per
 # figure) and ab.txt (the table); with NCU=1, ncu.txt (each kernel's median duration per
-# build and variant, clocks left alone: METHOD.md); a failed build's log.
-# Budget: one build takes 80-90 s on the H100 machine, and each timed pass a few seconds
-# (compiling, the rotated inputs, 5 repeats): size ROUNDS x builds x VARIANTS x PASSES to
-# the 10-minute limit of one call.
+# build and variant, with --clock-control none: ncu's default locks the clocks below the
+# boost clock the timings run at, which lengthens every kernel); a failed build's log.
+# Budget: one build takes 80-90 s on an H100 machine of 16 cores, and each timed pass a few
+# seconds (compiling, the rotated inputs, 5 repeats): ROUNDS x builds x VARIANTS x PASSES
+# sets the length of a call.
 set -euo pipefail
 
 OUT=${OUT:-/tmp/out}

@@ -1,21 +1,22 @@
 #!/usr/bin/env bash
-# The one script for the GPU machine (DESIGN.md section 5): build, GPU tests, benchmarks.
+# The one script for the GPU machine (docs/design.md section 5): build, GPU tests, benchmarks.
 #
-#   bash benchmarks/run_on_gpu.sh                 # all stages: build test bench
-#   bash benchmarks/run_on_gpu.sh build test      # any subset, in this order
-#   bash benchmarks/run_on_gpu.sh build gputest   # only the gpu-marked tests (faster)
-#   PYTEST_ARGS="-k rms" bash benchmarks/run_on_gpu.sh test
-#   # the attention file's GPU tests (~800 s under xdist): two calls, one shard each
+#   bash tools/run_on_gpu.sh                 # all stages: build test bench
+#   bash tools/run_on_gpu.sh build test      # any subset, in this order
+#   bash tools/run_on_gpu.sh build gputest   # only the gpu-marked tests (faster)
+#   PYTEST_ARGS="-k rms" bash tools/run_on_gpu.sh test
+#   # the attention file's GPU tests (~800 s under xdist on an H100): one shard per call
 #   PYTEST_ARGS="-n 8 -p no:cacheprovider --shard=0/2 tests/test_attention.py" \
-#     bash benchmarks/run_on_gpu.sh build gputest          # then --shard=1/2
-#   BENCH_ARGS="--quick" bash benchmarks/run_on_gpu.sh bench
+#     bash tools/run_on_gpu.sh build gputest          # then --shard=1/2
+#   BENCH_ARGS="--quick" bash tools/run_on_gpu.sh bench
+#   JAXGPU_CUDA=OFF bash tools/run_on_gpu.sh build   # CPU smoke run of the build stage
 #
-# Writes at most 7 files, all directly under $OUT (default /tmp/out):
-#   nvidia-smi.log build.log info.log tests.log bench.log <gpu>.json RESULTS.md
-# A command on the device machine is limited to 10 minutes: a cold CUDA build plus the full
-# benchmark may not fit in one call; `build test` then `bench` in two calls keeps the build
-# (build/ persists on a warm machine, and scikit-build-core rebuilds incrementally).
-# Set JAXGPU_GIT_COMMIT to the commit being measured: the machine's copy has no .git.
+# Writes at most 7 files, all directly under the output folder given by OUT (default
+# /tmp/out): nvidia-smi.log build.log info.log tests.log bench.log <gpu>.json RESULTS.md
+# A cold CUDA build takes minutes (the attention kernels' template instances). To keep each
+# call short, run `build test` and then `bench`: the second call reuses the build (build/
+# stays in the checkout, and scikit-build-core rebuilds incrementally).
+# Set JAXGPU_GIT_COMMIT to the commit being measured when the checkout is a copy without .git.
 set -euo pipefail
 
 OUT=${OUT:-/tmp/out}
