@@ -1,26 +1,27 @@
-// CUDA launchers of the attention family (kernels in attention_fwd.cu, attention_fwd_sm90.cu and
-// attention_bwd.cu; no XLA types).
+// The host API of the CUDA attention kernels (no XLA types): which main loop runs a call,
+// and the launchers of the two passes (attention_dispatch.cu).
 #pragma once
 
 #include <cuda_runtime_api.h>
 
 #include "attention/attention_params.h"
+#include "attention/attention_path.h"
 
 namespace jaxgpu::cuda {
 
-// bfloat16 / float16, head_dim a multiple of 8 and <= 256.
-cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream);
-cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream);
+// The main loop a call runs on. kAuto: wgmma wherever it runs (a build with sm_90a code, a
+// compute capability 9.0 device, the head dim padded to 64, 128 or 256), unless the
+// environment sets JAXGPU_ATTENTION_MMA_SYNC; mma.sync otherwise. A forced path runs as
+// asked or not at all. Returns nullptr and sets *resolved (never kAuto), or why `requested`
+// cannot run `p` here (a static message).
+const char* ResolveAttentionPath(const AttentionParams& p, AttentionPath requested,
+                                 AttentionPath* resolved);
 
-// The Hopper (wgmma) kernels: whether they run these parameters (an sm_90 device, a build
-// with sm_90a code, JAXGPU_ATTENTION_MMA_SYNC unset, and the head dim padded to 64, 128 or
-// 256), and the forward (attention_fwd_sm90.cu), dQ (attention_bwd_sm90.cu) and dK/dV
-// (attention_dkv_sm90.cu) launchers, for parameters that passed that check and the
-// kernels' CheckLaunchable and hold at least one query row (forward, dQ) or key (dK/dV).
-// LaunchAttentionFwd / LaunchAttentionBwd pick them by themselves.
-bool AttentionSm90Applies(const AttentionParams& p);
-cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream);
-cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream);
-cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream);
+// bfloat16 / float16, head_dim a multiple of 8 and <= 256, on a path ResolveAttentionPath
+// returned.
+cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path,
+                               cudaStream_t stream);
+cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path,
+                               cudaStream_t stream);
 
 }  // namespace jaxgpu::cuda

@@ -11,7 +11,9 @@
 //              (optional with segment ids: empty keeps every row on the maskable kernels)
 //        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace)
 //   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
-//        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool
+//        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool,
+//        and optionally path s32 (attention_path.h: 0 = auto when absent; the CPU handlers
+//        take auto only, the CUDA ones refuse a main loop that cannot run the call)
 #pragma once
 
 #include <cmath>
@@ -19,17 +21,15 @@
 #include <string>
 
 #include "attention/attention_params.h"
+#include "attention/attention_path.h"
 #include "common/ffi_checks.h"
 
 namespace jaxgpu {
 
-#define JAXGPU_ATTENTION_ATTRS(BIND)                                               \
-  BIND.Attr<float>("scale")                  /* scale */                           \
-      .Attr<float>("softcap")                /* softcap */                         \
-      .Attr<bool>("causal")                  /* causal */                          \
-      .Attr<int64_t>("window_left")          /* window_left */                     \
-      .Attr<int64_t>("window_right")         /* window_right */                    \
-      .Attr<bool>("has_segments")            /* has_segments */
+// The attributes, bound as one dictionary (AttentionAttrsFrom): XLA's FFI has no optional
+// attribute otherwise, and `path` is optional so that programs lowered without it (by
+// callers that never force a main loop, or before it existed) keep running.
+#define JAXGPU_ATTENTION_ATTRS(BIND) BIND.Attrs()
 
 // Binding prefixes: the backend-specific handler passes its context (stream) first.
 #define JAXGPU_ATTENTION_FWD_BINDING(BIND)                                         \
@@ -58,7 +58,7 @@ namespace jaxgpu {
           .Ret<::xla::ffi::AnyBuffer>()      /* dv */                              \
           .Ret<::xla::ffi::AnyBuffer>())     /* delta */
 
-// The attributes every attention handler takes, in binding order.
+// The attributes every attention handler takes.
 struct AttentionAttrs {
   float scale;
   float softcap;
@@ -66,7 +66,47 @@ struct AttentionAttrs {
   int64_t window_left;
   int64_t window_right;
   bool has_segments;
+  AttentionPath path;
 };
+
+template <typename T>
+ffi::Error GetAttr(const ffi::Dictionary& attrs, const char* name, T* out) {
+  ffi::ErrorOr<T> value = attrs.get<T>(name);
+  if (!value.has_value()) {
+    return ffi::Error::InvalidArgument(std::string("attribute ") + name + ": " +
+                                       value.error().message());
+  }
+  *out = *value;
+  return ffi::Error::Success();
+}
+
+// The attributes of a call (types and defaults: the contract above). Names are checked
+// exactly: a misspelt or unknown attribute is an error, as with typed bindings.
+inline ffi::Error AttentionAttrsFrom(const ffi::Dictionary& attrs, AttentionAttrs* a) {
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "scale", &a->scale));
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "softcap", &a->softcap));
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "causal", &a->causal));
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "window_left", &a->window_left));
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "window_right", &a->window_right));
+  JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "has_segments", &a->has_segments));
+  a->path = AttentionPath::kAuto;
+  const bool has_path = attrs.contains("path");
+  if (has_path) {
+    int32_t path = 0;
+    JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "path", &path));
+    a->path = static_cast<AttentionPath>(path);
+    if (AttentionPathName(a->path) == nullptr) {
+      return ffi::Error::InvalidArgument("path: must be 0 (auto), 1 (mma_sync) or 2 (wgmma), got " +
+                                         std::to_string(path));
+    }
+  }
+  if (attrs.size() != (has_path ? 7u : 6u)) {
+    return ffi::Error::InvalidArgument(
+        "attributes: expected scale, softcap, causal, window_left, window_right, has_segments "
+        "and optionally path, got " + std::to_string(attrs.size()) + " attributes");
+  }
+  return ffi::Error::Success();
+}
 
 // Shapes, dtypes, segment ids and attributes shared by both passes; fills everything in `p`
 // but the data pointers of q/k/v and the outputs.

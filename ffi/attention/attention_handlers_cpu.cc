@@ -1,5 +1,7 @@
 // CPU FFI handlers of the attention family: validate (attention_handlers.h), then run
 // attention_cpu.cc.
+#include <string>
+
 #include "attention/attention_cpu.h"
 #include "attention/attention_handlers.h"
 #include "attention/attention_targets.h"
@@ -7,14 +9,25 @@
 namespace jaxgpu {
 namespace {
 
+// The CPU kernel has one loop: a forced CUDA main loop is an error here, not ignored (a
+// test forcing one must not pass on code it never ran).
+ffi::Error AttentionAttrsCpu(const ffi::Dictionary& attrs, AttentionAttrs* a) {
+  JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, a));
+  if (a->path != AttentionPath::kAuto) {
+    return ffi::Error::InvalidArgument(std::string("path: ") + AttentionPathName(a->path) +
+                                       " is a CUDA main loop; the CPU kernels take 0 (auto)");
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                           float scale, float softcap, bool causal, int64_t window_left,
-                           int64_t window_right, bool has_segments) {
-  const AttentionAttrs attrs{scale, softcap, causal, window_left, window_right, has_segments};
+                           ffi::Dictionary attrs) {
+  AttentionAttrs a;
+  JAXGPU_RETURN_IF_ERROR(AttentionAttrsCpu(attrs, &a));
   AttentionParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, o, lse, attrs, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, o, lse, a, &p));
   cpu::AttentionFwd(p);
   return ffi::Error::Success();
 }
@@ -25,12 +38,12 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer seg_uniform,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                           float scale, float softcap, bool causal, int64_t window_left,
-                           int64_t window_right, bool has_segments) {
-  const AttentionAttrs attrs{scale, softcap, causal, window_left, window_right, has_segments};
+                           ffi::Dictionary attrs) {
+  AttentionAttrs a;
+  JAXGPU_RETURN_IF_ERROR(AttentionAttrsCpu(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
-                                                dq, dk, dv, delta, attrs, &p));
+                                                dq, dk, dv, delta, a, &p));
   cpu::AttentionBwd(p);
   return ffi::Error::Success();
 }

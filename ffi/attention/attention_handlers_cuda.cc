@@ -1,6 +1,7 @@
-// CUDA FFI handlers of the attention family: validate, then launch the kernels of
-// attention_fwd.cu / attention_bwd.cu on XLA's stream. No syncs and no allocation (the
-// backward pass's delta workspace is an output), so XLA may capture them in CUDA graphs.
+// CUDA FFI handlers of the attention family: validate, decide the main loop once per call
+// (ResolveAttentionPath), then launch the kernels on XLA's stream (attention_dispatch.cu).
+// No syncs and no allocation (the backward pass's delta workspace is an output), so XLA
+// may capture them in CUDA graphs.
 #include <string>
 
 #include "common/cuda_status.h"
@@ -23,16 +24,28 @@ ffi::Error CheckCudaSupported(const AttentionParams& p) {
   return ffi::Error::Success();
 }
 
+// The main loop this call runs on; a forced one that cannot run it is the caller's error.
+ffi::Error ResolvePath(const AttentionParams& p, AttentionPath requested,
+                       AttentionPath* resolved) {
+  if (const char* why = cuda::ResolveAttentionPath(p, requested, resolved)) {
+    return ffi::Error::InvalidArgument(std::string("path: ") + AttentionPathName(requested) +
+                                       " cannot run this call here: " + why);
+  }
+  return ffi::Error::Success();
+}
+
 ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
                             ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                            float scale, float softcap, bool causal, int64_t window_left,
-                            int64_t window_right, bool has_segments) {
+                            ffi::Dictionary attrs) {
+  AttentionAttrs a;
+  JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
-  const AttentionAttrs a{scale, softcap, causal, window_left, window_right, has_segments};
   JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, o, lse, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
-  return CudaStatus(cuda::LaunchAttentionFwd(p, stream), "attention forward launch");
+  AttentionPath path;
+  JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));
+  return CudaStatus(cuda::LaunchAttentionFwd(p, path, stream), "attention forward launch");
 }
 
 ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
@@ -41,14 +54,16 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer seg_uniform,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            float scale, float softcap, bool causal, int64_t window_left,
-                            int64_t window_right, bool has_segments) {
+                            ffi::Dictionary attrs) {
+  AttentionAttrs a;
+  JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
-  const AttentionAttrs a{scale, softcap, causal, window_left, window_right, has_segments};
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
                                                 dq, dk, dv, delta, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
-  return CudaStatus(cuda::LaunchAttentionBwd(p, stream), "attention backward launch");
+  AttentionPath path;
+  JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));
+  return CudaStatus(cuda::LaunchAttentionBwd(p, path, stream), "attention backward launch");
 }
 
 }  // namespace

@@ -1,6 +1,6 @@
-// Host-side pieces every attention launcher shares: what the kernels accept, the dtype
-// switch and the flattened grid (the shared-memory opt-in is common/cuda_utils.cuh's
-// AllowSmem).
+// Host-side pieces every attention launcher shares, whichever its main loop: what the
+// kernels accept, the dtype and head-dim switches, the mask decisions taken at launch, and
+// the flattened grid (the shared-memory opt-in is common/cuda_utils.cuh's AllowSmem).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -9,9 +9,9 @@
 
 #include <cstdint>
 
+#include "attention/attention_logits.cuh"
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
-#include "attention/attention_tile.cuh"
 #include "common/cuda_utils.cuh"
 
 #define JAXGPU_RETURN_IF_CUDA_ERROR(expr)      \
@@ -30,6 +30,28 @@
   }()
 
 namespace jaxgpu::cuda::attention {
+
+// The head dims the kernels are compiled for; H <= kHeadDim runs in the smallest that fits
+// with zero-filled feature columns (H is a multiple of 8: the Python layer pads odd ones).
+// 160..224 run in the 256 kernels: each extra head dim costs ~1 min of CI compile time.
+inline int PaddedHeadDim(int64_t h) {
+  if (h <= 32) return 32;
+  if (h <= 64) return 64;
+  if (h <= 96) return 96;
+  if (h <= 128) return 128;
+  return 256;
+}
+
+#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                  \
+  [&] {                                                                    \
+    switch (::jaxgpu::cuda::attention::PaddedHeadDim(h)) {                 \
+      case 32: { constexpr int D = 32; return __VA_ARGS__(); }             \
+      case 64: { constexpr int D = 64; return __VA_ARGS__(); }             \
+      case 96: { constexpr int D = 96; return __VA_ARGS__(); }             \
+      case 128: { constexpr int D = 128; return __VA_ARGS__(); }           \
+      default: { constexpr int D = 256; return __VA_ARGS__(); }            \
+    }                                                                      \
+  }()
 
 // The handler has validated shapes; these are the limits of the CUDA kernels themselves.
 inline cudaError_t CheckLaunchable(const AttentionParams& p) {
@@ -56,8 +78,9 @@ inline bool NeedsMask(const AttentionParams& p, int block_n) {
 // backward kernels are then compiled with both bodies (kRowSplit), and each CTA runs the
 // one without the mask where its row is uniform (RowMasksNothing), the maskable one
 // otherwise. The maskable body costs the backward 7% over the unmasked one even where the
-// ids mask nothing (H100, TUNING.md stop 20); two launches, each CTA returning at once
-// where the other kernel owned its row, cost as much again in empty CTAs.
+// ids mask nothing (H100: docs/perf/attention.md, 'Segment rows that mask nothing'); two
+// launches, each CTA returning at once where the other kernel owned its row, cost as much
+// again in empty CTAs.
 inline bool SplitsBySegmentRows(const AttentionParams& p, int block_n) {
   return p.segment_uniform != nullptr && !NeedsPositionMask(p, block_n);
 }
@@ -101,43 +124,6 @@ template <typename Tr, typename Kernel>
 cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
   return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads,
                              CeilDiv(p.kv_len, Tr::kBlockN) * Tr::kSlices, p, stream);
-}
-
-// One configuration of a Hopper kernel: element type, traits, and the kernel switches.
-template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_, bool kRowSplit_ = false>
-struct Sm90Config {
-  using T = T_;
-  using Traits = Tr;
-  static constexpr bool kMaskable = kMaskable_;
-  static constexpr bool kSoftcap = kSoftcap_;
-  static constexpr bool kRowSplit = kRowSplit_;  // kMaskable too (SplitsBySegmentRows)
-};
-
-// The Hopper kernels' compile-time switches: launch(Sm90Config<...>{}) with the element
-// type, Traits<64>, Traits<128> or Traits<256> by the padded head dim, and the kernel
-// switches (the mask decided on Tr's key tile; kRowSplits: the backward kernels, which
-// split by segment rows where SplitsBySegmentRows).
-template <template <int> class Traits, bool kRowSplits = false, typename Launch>
-cudaError_t DispatchSm90(const AttentionParams& p, Launch&& launch) {
-  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
-    auto run = [&](auto traits) {
-      using Tr = decltype(traits);
-      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
-        // Not at H = 256: there the kernel with both bodies spills (dQ: 340 bytes).
-        if constexpr (kRowSplits && Tr::kHeadDim <= 128) {
-          if (SplitsBySegmentRows(p, Tr::kBlockN)) {
-            return launch(Sm90Config<T, Tr, true, kSoftcap, true>{});
-          }
-        }
-        return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-          return launch(Sm90Config<T, Tr, kMaskable, kSoftcap>{});
-        });
-      });
-    };
-    const int padded = PaddedHeadDim(p.head_dim);
-    if (padded == 256) return run(Traits<256>{});
-    return padded == 64 ? run(Traits<64>{}) : run(Traits<128>{});
-  });
 }
 
 }  // namespace jaxgpu::cuda::attention

@@ -1,5 +1,7 @@
 // Which keys a query sees (causal, local window, segment ids, sequence tails), per element
-// and per tile, shared by the forward and backward kernels. Semantics: attention_params.h.
+// and per tile, shared by the forward and backward kernels of every main loop: the mask,
+// the tiles a CTA walks, and each warp's per-tile decision (skip, plain, or masked per
+// element). Semantics: attention_params.h.
 #pragma once
 
 #include <climits>
@@ -107,7 +109,8 @@ __device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int ct
 // next to the tile, for the per-tile decision the kernels make before any per-element
 // mask: one segment on both sides means no element is masked by segments, disjoint
 // ranges mean every element is (the tile is skipped). Loading ids per element from
-// global memory inside the softmax cost 2.1x the plain forward time (TUNING.md).
+// global memory inside the softmax cost 2.1x the plain forward time
+// (docs/perf/attention.md, 'Segment ids').
 struct SegmentRange {
   int lo, hi;
 
@@ -141,6 +144,73 @@ __host__ __device__ inline Mask MakeMask(const AttentionParams& p, int64_t b) {
   m.q_seg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
   m.kv_seg = p.kv_segment_ids ? p.kv_segment_ids + b * p.kv_len : nullptr;
   return m;
+}
+
+// How a warp treats one tile of queries [q0, q1] x keys [k0, k1] (rows and columns of the
+// warp's score tile are queries and keys, or keys and queries in the dK/dV kernel; row_ids
+// and col_ids are their segment ids in shared memory). Decided once per tile, so only
+// tiles on a mask's edge pay for the per-element mask.
+struct TileMasking {
+  bool skip;               // every element is masked: the warp skips the tile
+  bool masked;             // some element may be: ToLogits masks per element
+  const int32_t* row_seg;  // segment ids ToLogits compares, or nullptr (segments all equal)
+  const int32_t* col_seg;
+
+  // The row ids of the row tile starting `offset` rows into the warp's rows (or nullptr).
+  __device__ __forceinline__ const int32_t* RowSeg(int offset) const {
+    return row_seg ? row_seg + offset : nullptr;
+  }
+};
+
+// The segment part of a decision, from the segment ranges of the tile's two sides.
+__device__ __forceinline__ void ApplySegmentRanges(TileMasking& tm, const int32_t* row_ids,
+                                                   const SegmentRange& rows,
+                                                   const int32_t* col_ids,
+                                                   const SegmentRange& cols) {
+  tm.skip = rows.DisjointFrom(cols);
+  if (!rows.OneSegmentWith(cols)) {
+    tm.masked = true;
+    tm.row_seg = row_ids;
+    tm.col_seg = col_ids;
+  }
+}
+
+// The warp's own decision, its `rows` row ids and `cols` column ids reduced here. (Written
+// out rather than through DecideMaskingInRanges: that form changed the code of the
+// forward's maskable kernels, at 255 registers, and cost its options case 379 -> 343
+// TFLOP/s on the H100.)
+template <bool kMaskable>
+__device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segments, int q0,
+                                                     int q1, int k0, int k1,
+                                                     const int32_t* row_ids, int rows,
+                                                     const int32_t* col_ids, int cols, int lane) {
+  TileMasking tm{false, false, nullptr, nullptr};
+  if (!kMaskable) return tm;
+  tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
+  if (segments) {
+    ApplySegmentRanges(tm, row_ids, WarpSegmentRange(row_ids, rows, lane), col_ids,
+                       WarpSegmentRange(col_ids, cols, lane));
+  }
+  return tm;
+}
+
+// The same with the ranges given: the wgmma backward loops reduce them a step ahead, under
+// the previous step's products (the reductions on the critical path cost the options
+// case's backward 2-3%: docs/perf/attention.md, 'Segment decisions a step ahead'). A range
+// may cover more rows or columns than the warp's (a warpgroup's, the same in its 4 warps,
+// so that `skip` is too): the decision is then coarser, never wrong.
+template <bool kMaskable>
+__device__ __forceinline__ TileMasking DecideMaskingInRanges(const Mask& mask, bool segments,
+                                                             int q0, int q1, int k0, int k1,
+                                                             const int32_t* row_ids,
+                                                             const SegmentRange& rows,
+                                                             const int32_t* col_ids,
+                                                             const SegmentRange& cols) {
+  TileMasking tm{false, false, nullptr, nullptr};
+  if (!kMaskable) return tm;
+  tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
+  if (segments) ApplySegmentRanges(tm, row_ids, rows, col_ids, cols);
+  return tm;
 }
 
 }  // namespace jaxgpu::cuda::attention

@@ -1,7 +1,6 @@
 // Launch parameters of the attention kernels: the one plain struct at the host/device (and
-// host/CPU) boundary, shared by the forward and backward passes and by every main loop
-// (the mma.sync loop of attention_kernels.cu today, a Hopper one later). No XLA or CUDA
-// types.
+// host/CPU) boundary, shared by the forward and backward passes, the CPU kernels and every
+// CUDA main loop (sm80/, sm90/; which one runs: attention_path.h). No XLA or CUDA types.
 //
 // Layouts (all contiguous, row-major; jax.nn.dot_product_attention's BTNH):
 //   q, o, do, dq   (B, T, K, R, H)   query head n = kv_head * R + r (N = K * R: GQA/MQA/MHA)

@@ -1,15 +1,22 @@
-// The softmax of the attention kernels, shared by every main loop (mma.sync in
-// attention_fwd.cu / attention_bwd.cu, wgmma in the *_sm90.cu files): all hold a warp's
-// scores as C tiles of 16 rows (m16n8 and m64nN accumulators have the same per-warp layout;
-// attention_wgmma.cuh), so the online softmax, the epilogue and the backward's
-// recomputation are one piece of code each. No XLA types.
+// The softmax of the attention kernels, shared by every main loop (sm80/: mma.sync,
+// sm90/: wgmma): all hold a warp's scores as C tiles of 16 rows (attention_fragments.cuh),
+// so the online softmax, the epilogue and the backward's recomputation are one piece of
+// code each. No XLA types.
 #pragma once
 
 #include <cstdint>
 
-#include "attention/attention_tile.cuh"
+#include "attention/attention_fragments.cuh"
+#include "attention/attention_logits.cuh"
 
 namespace jaxgpu::cuda::attention {
+
+// exp2 on the MUFU (ex2.approx.ftz: 2 ulp), the rate-limited unit of the softmax.
+__device__ __forceinline__ float FastExp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}
 
 // Row half h (row g, or g + 8) of a warp's 16-row score tile becomes exp2(x * fold - base),
 // one FFMA and one ex2 per logit; returns the half row's sum (both softmaxes below).
@@ -105,7 +112,7 @@ __device__ __forceinline__ void StoreOutputRows(T* o, float* lse, int64_t ld,
           const int col = 8 * j + 2 * t;
           if (col < dim) {
             *reinterpret_cast<uint32_t*>(o + row * ld + col) =
-                MmaType<T>::Pack(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
+                PackPair<T>(acc_o[mi][j][2 * h] * inv, acc_o[mi][j][2 * h + 1] * inv);
           }
         }
         if (t == 0) {

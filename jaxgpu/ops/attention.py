@@ -16,6 +16,8 @@ the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
   fwd  q, k, v[, q_seg, kv_seg]          -> o (B, T, K, R, H), lse float32 (B, K, R, T)
   bwd  q, k, v, o, lse, do[, segs, uniform] -> dq, dk, dv, delta float32 (B, K, R, T)
                                                 (workspace)
+Both take the attribute path (int32; ffi/attention/attention_path.h): 0 lets the CUDA kernels
+choose their main loop, and `_force_path` forces one (tests run both in one process).
 Absent segment ids go to the kernels as int32 zeros((0,)) with has_segments=False. The
 backward also takes `uniform` int32 (B,), 1 where a batch row's q and kv ids are all one
 segment (`_segment_uniform`, a small XLA reduction in the per-shard body; empty with a
@@ -60,6 +62,8 @@ body to know its shard index).
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import functools
 import math
@@ -86,6 +90,32 @@ _HEAD_DIM_ALIGN = 8
 # The dtypes the CUDA kernels take (float32 runs on the CPU kernel or the reference).
 _CUDA_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
 
+# The CUDA kernels' main loops (ffi/attention/attention_path.h, the FFI attribute `path`).
+_PATHS = {"auto": 0, "mma_sync": 1, "wgmma": 2}
+_forced_path = contextvars.ContextVar("jaxgpu_attention_path", default="auto")
+
+
+@contextlib.contextmanager
+def _force_path(path: str):
+  """Testing hook: the CUDA kernels of every call traced in the block run main loop `path`.
+
+  'auto' (the default) lets the kernels choose: 'wgmma' (Hopper) on a compute capability 9.0
+  device for head dims padded to 64, 128 or 256, else 'mma_sync' (any GPU the kernels run
+  on). Forcing one lets tests run both in one process. Read when a call is traced, like
+  `implementation`: a function traced outside the block keeps the path it was traced with.
+  A forced path that cannot run a call (wgmma at H = 96, on another GPU, or in a build
+  without sm_90a code) fails that call with an error that says why; the CPU kernels take
+  'auto' only; the 'xla' implementation has no main loop to force and ignores it.
+  """
+  if path not in _PATHS:
+    raise ValueError(f"_force_path: expected one of {tuple(_PATHS)}, got {path!r}")
+  token = _forced_path.set(path)
+  try:
+    yield
+  finally:
+    _forced_path.reset(token)
+
+
 _Q = "g t k r h"
 _KV = "g s k h"
 _STAT = "g k r t"
@@ -102,6 +132,7 @@ class _Config:
   has_segments: bool
   implementation: str | None   # 'cpu', 'cuda', or None (platform-generic)
   primal_types: tuple = (None, None, None)  # of q (5-d), k, v (see _kernel_op)
+  path: int = 0                # the CUDA main loop (_PATHS); 0: the kernels choose
 
   def target(self, pass_: str) -> str:
     return DOT_PRODUCT_ATTENTION.target(pass_, self.implementation)
@@ -111,7 +142,8 @@ class _Config:
     # as f64 and an int as i64.
     return dict(scale=np.float32(self.scale), softcap=np.float32(self.softcap),
                 causal=self.causal, window_left=np.int64(self.window[0]),
-                window_right=np.int64(self.window[1]), has_segments=self.has_segments)
+                window_right=np.int64(self.window[1]), has_segments=self.has_segments,
+                path=np.int32(self.path))
 
   @property
   def positional(self) -> bool:
@@ -431,7 +463,7 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
 
   if scale <= 0:
     # The kernels take scale > 0 and fold it into their exp2 argument (one FFMA per logit;
-    # ffi/attention/attention_tile.cuh, LogitScale). The logits are unchanged: a negative
+    # ffi/attention/attention_logits.cuh, LogitScale). The logits are unchanged: a negative
     # scale's sign moves onto q (exact), and a zero scale makes every logit 0 (q := 0, so
     # dq and dk are 0 as they must be).
     query = -query if scale < 0 else jnp.zeros_like(query)
@@ -445,7 +477,7 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
   cfg = _Config(scale=scale, softcap=0.0 if softcap is None else softcap, causal=is_causal,
                 window=(-1, -1) if window is None else window,
                 has_segments=segs[0] is not None, implementation=impl,
-                primal_types=primal_types(q5, key, value))
+                primal_types=primal_types(q5, key, value), path=_PATHS[_forced_path.get()])
   o = _merge_heads(_attention(cfg, q5, key, value, segs if segs[0] is not None else ()),
                    query)
   return o[..., :h] if pad else o

@@ -1,67 +1,38 @@
-// Attention backward on tensor cores (mma.sync m16n8k16, sm_80+), deterministic: no atomics,
-// every gradient element is summed by one thread in a fixed order.
+// Attention backward of the mma.sync main loop (m16n8k16, sm_80+), deterministic: no
+// atomics, every gradient element is summed by one thread in a fixed order. After the
+// shared delta kernel (attention_delta.cu: delta = rowsum(dO * O) per query row):
 //
-//   1. DeltaKernel   delta = rowsum(dO * O) per query row (float32 workspace).
-//   2. DqKernel      per (query tile, query head): walks the visible key tiles,
-//                    recomputes P = exp(L - lse), dP = dO V^T, dS = P (dP - delta),
-//                    dQ += dS K. (3 products; on Hopper DqSm90Kernel in
-//                    attention_bwd_sm90.cu does the same on wgmma)
-//   3. DkvKernel     per (key tile, kv head): walks every query head of its GQA group and
-//                    the visible query tiles, recomputes P^T and dP^T with keys as rows,
-//                    dV += P^T dO, dK += dS^T Q (4 products), in warp pairs: one warp
-//                    of a pair computes P and dV, the other dS and dK. (On Hopper
-//                    DkvSm90Kernel in attention_dkv_sm90.cu, on wgmma.)
+//   DqKernel    per (query tile, query head): walks the visible key tiles, recomputes
+//               P = exp(L - lse), dP = dO V^T, dS = P (dP - delta), dQ += dS K.
+//               (3 products; the wgmma main loop's is sm90/dq_sm90.cu)
+//   DkvKernel   per (key tile, kv head): walks every query head of its GQA group and the
+//               visible query tiles, recomputes P^T and dP^T with keys as rows, dV += P^T
+//               dO, dK += dS^T Q (4 products), in warp pairs: one warp of a pair computes P
+//               and dV, the other dS and dK. (The wgmma main loop's: sm90/dkv_sm90.cu.)
 // Splitting dQ from dK/dV costs two extra products (7 instead of FlashAttention-2's 5) and
 // buys determinism without a float32 dQ accumulator in memory or atomics; the GQA sum over
 // a kv head's query heads happens in registers.
 #include <cuda_runtime.h>
 
-#include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
-#include "attention/attention_tile.cuh"
+#include "attention/sm80/main_loop.h"
+#include "attention/sm80/mma.cuh"
+#include "attention/sm80/products.cuh"
 
-namespace jaxgpu::cuda {
-namespace attention {
+namespace jaxgpu::cuda::attention::sm80 {
 namespace {
 
-// ---- 1. delta ------------------------------------------------------------------------------
-
-// One warp per query row (b, t, kh, r): H <= 256 is at most 32 chunks of 8 elements.
-template <typename T>
-__global__ void __launch_bounds__(256) DeltaKernel(AttentionParams p) {
-  const int64_t rows = p.batch * p.q_len * p.kv_heads * p.group;
-  const int64_t row = (static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
-  const int lane = threadIdx.x & 31;
-  if (row >= rows) return;
-  const int H = static_cast<int>(p.head_dim);
-  float acc = 0.f;
-  if (lane * 8 < H) {
-    const auto o = LoadVec<T, 8>(p.o, row * H + lane * 8);
-    const auto d = LoadVec<T, 8>(p.d_o, row * H + lane * 8);
-#pragma unroll
-    for (int e = 0; e < 8; ++e) acc += ToFloat(o.v[e]) * ToFloat(d.v[e]);
-  }
-#pragma unroll
-  for (int s = 16; s > 0; s >>= 1) acc += __shfl_xor_sync(0xffffffffu, acc, s);
-  if (lane == 0) {
-    // row = ((b * T + t) * K + kh) * R + r  ->  delta[b, kh, r, t]
-    const int64_t heads = p.kv_heads * p.group;
-    const int64_t head = row % heads;
-    const int64_t bt = row / heads;
-    const int64_t t = bt % p.q_len, b = bt / p.q_len;
-    p.delta[(b * heads + head) * p.q_len + t] = acc;
-  }
-}
-
-// ---- 2. dQ ---------------------------------------------------------------------------------
+// ---- dQ ------------------------------------------------------------------------------------
 
 template <int kHeadDim_>
 struct DqTraits {
   // 4 warps x 2 row tiles of 16 queries x 32-key tiles up to H = 128: each K/V fragment
   // feeds both row tiles, and 32 keys keep the score and dP tiles within the registers
   // left beside the 2 x H / 2 dQ accumulators. H = 256: 1 row tile (128 accumulators).
-  // Alternatives measured on the H100: benchmarks/TUNING.md.
+  // Alternatives measured on the H100: docs/perf/attention.md, 'mma.sync backward'.
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
@@ -177,7 +148,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   }
 }
 
-// ---- 3. dK, dV -----------------------------------------------------------------------------
+// ---- dK, dV --------------------------------------------------------------------------------
 
 template <int kHeadDim_>
 struct DkvTraits {
@@ -189,7 +160,7 @@ struct DkvTraits {
   // ldmatrix bytes per MMA than one warp per 16 keys holding both dK and dV (which ran at
   // 41% tensor-pipe use on the H100, shared-memory bound). The lag lets both warps of a pair
   // run a step with no wait for each other: a barrier per step between them stalled ~12%
-  // of the time. Measurements: benchmarks/TUNING.md (stop 9).
+  // of the time. Measurements: docs/perf/attention.md, 'mma.sync dK/dV in warp pairs'.
   static constexpr int kHeadDim = kHeadDim_;
   // 4 pairs (128 keys, 8 warps) measured 232 vs 240 TFLOP/s bwd at H = 128, 178 vs 208 at
   // H = 64 (H100, T = 4096).
@@ -375,46 +346,35 @@ __global__ void __launch_bounds__(Tr::kThreads)
   }
 }
 
-template <typename T, typename Dq, typename Dkv, bool kMaskable, bool kSoftcap>
-cudaError_t Launch(const AttentionParams& p, cudaStream_t stream) {
-  const bool sm90 = AttentionSm90Applies(p);  // the wgmma kernels (sm_90a)
-  const int64_t q_rows = p.batch * p.q_len * p.kv_heads * p.group;
-  if (q_rows > 0) {
-    const int64_t blocks = CeilDiv(q_rows * 32, 256);
-    if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-    DeltaKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(p);
-    JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetLastError());
-
-    if (sm90) {
-      JAXGPU_RETURN_IF_CUDA_ERROR(LaunchAttentionDqSm90(p, stream));
-    } else {
-      JAXGPU_RETURN_IF_CUDA_ERROR(
-          LaunchOverQueryTiles<Dq>(DqKernel<T, Dq, kMaskable, kSoftcap>, p, stream));
-    }
-  }
-  if (p.batch * p.kv_len * p.kv_heads > 0) {
-    if (sm90) return LaunchAttentionDkvSm90(p, stream);
-    return LaunchOverKeyTiles<Dkv>(DkvKernel<T, Dkv, kMaskable, kSoftcap>, p, stream);
-  }
-  return cudaSuccess;
-}
-
 }  // namespace
-}  // namespace attention
 
-cudaError_t LaunchAttentionBwd(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
+cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return Launch<T, DqTraits<D>, DkvTraits<D>, kMaskable, kSoftcap>(p, stream);
+          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, kMaskable, kSoftcap>,
+                                                   p, stream);
         });
       });
     });
   });
 }
 
-}  // namespace jaxgpu::cuda
+cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
+      // The mask decided on DqTraits's key tile, as for dQ: the dK/dV kernel's own tails
+      // need none (its keys past S are rows it never stores, its queries past T get p = 0).
+      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
+        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+          return LaunchOverKeyTiles<DkvTraits<D>>(
+              DkvKernel<T, DkvTraits<D>, kMaskable, kSoftcap>, p, stream);
+        });
+      });
+    });
+  });
+}
+
+}  // namespace jaxgpu::cuda::attention::sm80

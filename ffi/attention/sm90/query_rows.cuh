@@ -1,13 +1,13 @@
-// The query rows of a Hopper (wgmma) attention CTA, which both Hopper kernels
-// (attention_fwd_sm90.cu, attention_bwd_sm90.cu's dQ) start from: kBlockM queries of one
-// query head in warpgroups of 64 rows, 16 rows a warp. Key tiles are skipped per warpgroup
-// (wgmma runs on all 4 warps together) and masked per warp. No XLA types.
+// The query rows of a wgmma attention CTA, which the forward (fwd_sm90.cu) and the dQ
+// kernel (dq_sm90.cu) start from: kBlockM queries of one query head in warpgroups of 64
+// rows, 16 rows a warp. Key tiles are skipped per warpgroup (wgmma runs on all 4 warps
+// together) and masked per warp. No XLA types.
 #pragma once
 
 #include "attention/attention_mask.cuh"
 #include "attention/attention_params.h"
-#include "attention/attention_tile.cuh"
-#include "attention/attention_wgmma.cuh"
+#include "attention/attention_schedule.cuh"
+#include "attention/sm90/wgmma.cuh"
 
 namespace jaxgpu::cuda::attention::sm90 {
 

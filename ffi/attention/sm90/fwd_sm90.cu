@@ -1,6 +1,6 @@
-// Attention forward on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop beside
-// attention_fwd.cu's mma.sync one, same parameters, same masking and softmax code, chosen
-// at launch on an sm_90 device for head dims padded to 64, 128 and 256.
+// Attention forward of the wgmma main loop (Hopper's warpgroup MMAs, sm_90a): the same
+// parameters as the mma.sync forward (sm80/fwd_sm80.cu), the same masking and softmax code,
+// for head dims padded to 64, 128 and 256 (sm90/main_loop.h).
 //
 // One CTA owns kBlockM = 128 queries of one query head: two warpgroups of 64 rows. Per key
 // tile of kBlockN keys a warpgroup computes S = Q K^T with Q and K read by the tensor cores
@@ -13,20 +13,21 @@
 #include <cuda_runtime.h>
 
 #include <cmath>
-#include <cstdlib>
 
-#include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
-#include "attention/attention_sm90_rows.cuh"
+#include "attention/attention_logits.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
-#include "attention/attention_tile.cuh"
-#include "attention/attention_wgmma.cuh"
+#include "attention/sm90/dispatch.cuh"
+#include "attention/sm90/main_loop.h"
+#include "attention/sm90/query_rows.cuh"
+#include "attention/sm90/wgmma.cuh"
 
-namespace jaxgpu::cuda {
-namespace attention {
+namespace jaxgpu::cuda::attention::sm90 {
 namespace {
 
-// The softcap's tanh, one tanh.approx.f32 per logit rather than attention_mma.cuh's
+// The softcap's tanh, one tanh.approx.f32 per logit rather than attention_logits.cuh's
 // TanhPair (one f16x2 MUFU op per two logits, plus three conversions): after the bounded
 // softmax took the row max out of the forward, the MUFU had room and the conversions did
 // not. H100, H = 128, T = 4096, same run, builds A / B / A: softcap + segment ids forward
@@ -208,35 +209,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 }  // namespace
-}  // namespace attention
 
-bool AttentionSm90Applies(const AttentionParams& p) {
-#ifdef JAXGPU_HAS_SM90A
-  // JAXGPU_ATTENTION_MMA_SYNC=1 forces the portable kernels (tests and comparisons).
-  static const bool forced_off = [] {
-    const char* e = std::getenv("JAXGPU_ATTENTION_MMA_SYNC");
-    return e != nullptr && e[0] != '\0' && e[0] != '0';
-  }();
-  if (forced_off) return false;
-  const int padded = attention::PaddedHeadDim(p.head_dim);
-  if (padded != 64 && padded != 128 && padded != 256) return false;
-  int device = 0, major = 0, minor = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return false;
-  if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-    return false;
-  }
-  return major == 9 && minor == 0;  // sm_90a code runs on compute capability 9.0 only
-#else
-  (void)p;
-  return false;
-#endif
-}
-
-cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
+cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);
-  return DispatchSm90<Sm90FwdTraits>(p, [&](auto config) {
+  return Dispatch<Sm90FwdTraits>(p, [&](auto config) {
     using C = decltype(config);
     return JAXGPU_BOOL_SWITCH(bounded, kBounded, [&] {
       return LaunchOverQueryTiles<typename C::Traits>(
@@ -247,4 +223,4 @@ cudaError_t LaunchAttentionFwdSm90(const AttentionParams& p, cudaStream_t stream
   });
 }
 
-}  // namespace jaxgpu::cuda
+}  // namespace jaxgpu::cuda::attention::sm90

@@ -1,7 +1,6 @@
-// Hopper warpgroup tensor-core building blocks (wgmma.mma_async, sm_90a) of the attention
-// forward's second main loop (attention_fwd_sm90.cu): 128-byte-swizzled shared-memory
-// tiles, their matrix descriptors, and m64nNk16 MMAs with float32 accumulation. No XLA
-// types.
+// Hopper warpgroup tensor-core building blocks (wgmma.mma_async, sm_90a) of the wgmma main
+// loop (sm90/: the forward, dQ and dK/dV kernels): 128-byte-swizzled shared-memory tiles,
+// their matrix descriptors, and m64nNk16 MMAs with float32 accumulation. No XLA types.
 //
 // Why wgmma: mma.sync needs every operand fragment loaded into registers by ldmatrix (the
 // shared-memory pipe bounded the mma.sync forward) and holds the warp until the MMA's
@@ -11,9 +10,9 @@
 // Register layouts (PTX ISA, "wgmma .m64nNk16 register fragments"): warp w of the
 // warpgroup holds rows 16w..16w+15 of the 64-row tile, and within them the accumulator D
 // (n-tile j = 4 floats d[j][0..3]) and the register A fragment have exactly the layouts of
-// mma.sync m16n8k16's C and A (attention_mma.cuh). So a warp's score tile is the C tiles the
-// mma.sync kernels' softmax code (attention_softmax.cuh) already works on, and P packs into
-// A fragments with PackProbs.
+// mma.sync m16n8k16's C and A (attention_fragments.cuh). So a warp's score tile is the C
+// tiles the shared softmax code (attention_softmax.cuh) works on, and P packs into A
+// fragments with PackProbs.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -21,7 +20,7 @@
 
 #include <cstdint>
 
-#include "attention/attention_mma.cuh"
+#include "attention/attention_copy.cuh"
 
 // Device code for sm_90a only: wgmma does not exist on sm_80 or in a plain sm_90 pass.
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)

@@ -1,4 +1,4 @@
-// Attention forward on tensor cores (mma.sync m16n8k16, sm_80+): FlashAttention-2's
+// Attention forward of the mma.sync main loop (m16n8k16, sm_80+): FlashAttention-2's
 // schedule. One CTA owns kBlockM queries of one query head; each warp owns 16 * kMTiles
 // query rows and keeps their scores, probabilities and output accumulator in registers.
 // The CTA walks the key tiles the mask leaves visible (fully masked tiles are never
@@ -9,13 +9,15 @@
 // measured ~140 TFLOP/s here with its other costs.)
 #include <cuda_runtime.h>
 
-#include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
-#include "attention/attention_tile.cuh"
+#include "attention/sm80/main_loop.h"
+#include "attention/sm80/mma.cuh"
+#include "attention/sm80/products.cuh"
 
-namespace jaxgpu::cuda {
-namespace attention {
+namespace jaxgpu::cuda::attention::sm80 {
 namespace {
 
 template <int kHeadDim_>
@@ -25,7 +27,8 @@ struct FwdTraits {
   // per MMA (ldmatrix, 128 B/clk/SM, bounds an mma.sync loop), and each K/V tile copied
   // into shared memory serves 256 queries, halving the L2 traffic of 128-query CTAs.
   // H = 256 keeps one row tile of 4 warps: 128 output accumulators per thread leave no
-  // room. Alternatives measured at H = 128, T = 4096 on the H100: benchmarks/TUNING.md.
+  // room. Alternatives measured at H = 128, T = 4096 on the H100: docs/perf/attention.md,
+  // 'mma.sync forward'.
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kWarps = kHeadDim <= 128 ? 8 : 4;
@@ -131,13 +134,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
 }
 
 }  // namespace
-}  // namespace attention
 
-cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
-  if (p.batch * p.kv_heads * p.group * p.q_len == 0) return cudaSuccess;
-  if (AttentionSm90Applies(p)) return LaunchAttentionFwdSm90(p, stream);
+cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
@@ -151,4 +149,4 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, cudaStream_t stream) {
   });
 }
 
-}  // namespace jaxgpu::cuda
+}  // namespace jaxgpu::cuda::attention::sm80

@@ -1,7 +1,7 @@
-// Attention backward's dK and dV on Hopper's warpgroup MMAs (wgmma, sm_90a): the second
-// main loop of attention_bwd.cu's DkvKernel (same products, same determinism: each dK / dV
-// element is summed by one thread, over the GQA group's query heads and the query tiles in
-// order), chosen at launch where AttentionSm90Applies.
+// Attention backward's dK and dV in the wgmma main loop (Hopper's warpgroup MMAs, sm_90a):
+// the mma.sync DkvKernel's products (sm80/bwd_sm80.cu) with the same determinism, each dK /
+// dV element summed by one thread over the GQA group's query heads and the query tiles in
+// order.
 //
 // One CTA owns 128 keys of one kv head: two warpgroups of 64 keys. K and V are loaded once;
 // the CTA then walks (query head of the group, 64-query tile; 32 at H = 256) steps, whose
@@ -14,14 +14,16 @@
 // 128-column slice of them) across the loop.
 #include <cuda_runtime.h>
 
-#include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
+#include "attention/attention_logits.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
-#include "attention/attention_tile.cuh"
-#include "attention/attention_wgmma.cuh"
+#include "attention/sm90/dispatch.cuh"
+#include "attention/sm90/main_loop.h"
+#include "attention/sm90/wgmma.cuh"
 
-namespace jaxgpu::cuda {
-namespace attention {
+namespace jaxgpu::cuda::attention::sm90 {
 namespace {
 
 template <int kHeadDim_>
@@ -266,12 +268,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 }  // namespace
-}  // namespace attention
 
-// Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dk, dv.
-cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  return DispatchSm90<Sm90DkvTraits, true>(p, [&](auto config) {
+// Reads q, k, v, lse, d_o and delta (LaunchDelta, launched before); writes dk, dv.
+cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
+  return Dispatch<Sm90DkvTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverKeyTiles<typename C::Traits>(
         DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
@@ -280,4 +280,4 @@ cudaError_t LaunchAttentionDkvSm90(const AttentionParams& p, cudaStream_t stream
   });
 }
 
-}  // namespace jaxgpu::cuda
+}  // namespace jaxgpu::cuda::attention::sm90

@@ -1,7 +1,7 @@
-// Attention backward's dQ on Hopper's warpgroup MMAs (wgmma, sm_90a): the second main loop
-// of attention_bwd.cu's DqKernel (same products, same determinism: each dQ element is
-// summed by one thread over the key tiles in order), chosen at launch where
-// AttentionSm90Applies. dK/dV run in attention_dkv_sm90.cu, delta in attention_bwd.cu.
+// Attention backward's dQ in the wgmma main loop (Hopper's warpgroup MMAs, sm_90a): the
+// mma.sync DqKernel's products (sm80/bwd_sm80.cu) with the same determinism, each dQ
+// element summed by one thread over the key tiles in order. dK/dV run in dkv_sm90.cu,
+// delta before both in attention_delta.cu.
 //
 // One CTA owns 128 queries of one query head, two warpgroups of 64 rows. Per 64-key tile a
 // warpgroup computes S = Q K^T and dP = dO V^T (Q, dO, K, V all read by the tensor cores
@@ -10,15 +10,17 @@
 // operand, from shared memory.
 #include <cuda_runtime.h>
 
-#include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
-#include "attention/attention_sm90_rows.cuh"
+#include "attention/attention_logits.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
-#include "attention/attention_tile.cuh"
-#include "attention/attention_wgmma.cuh"
+#include "attention/sm90/dispatch.cuh"
+#include "attention/sm90/main_loop.h"
+#include "attention/sm90/query_rows.cuh"
+#include "attention/sm90/wgmma.cuh"
 
-namespace jaxgpu::cuda {
-namespace attention {
+namespace jaxgpu::cuda::attention::sm90 {
 namespace {
 
 // Q and dO before the K/V buffers. Keys per tile: 128 at H = 64 (bwd 216 -> 226 TFLOP/s on
@@ -209,12 +211,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }
 
 }  // namespace
-}  // namespace attention
 
-// Reads q, k, v, lse, d_o and delta (computed before by LaunchAttentionBwd); writes dq.
-cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream) {
-  using namespace attention;
-  return DispatchSm90<Sm90DqTraits, true>(p, [&](auto config) {
+// Reads q, k, v, lse, d_o and delta (LaunchDelta, launched before); writes dq.
+cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
+  return Dispatch<Sm90DqTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
         DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
@@ -223,4 +223,4 @@ cudaError_t LaunchAttentionDqSm90(const AttentionParams& p, cudaStream_t stream)
   });
 }
 
-}  // namespace jaxgpu::cuda
+}  // namespace jaxgpu::cuda::attention::sm90
