@@ -78,7 +78,7 @@ inline bool NeedsMask(const AttentionParams& p, int block_n) {
 // backward kernels are then compiled with both bodies (kRowSplit), and each CTA runs the
 // one without the mask where its row is uniform (RowMasksNothing), the maskable one
 // otherwise. The maskable body costs the backward 7% over the unmasked one even where the
-// ids mask nothing (H100: docs/perf/attention.md, 'Segment rows that mask nothing'); two
+// ids mask nothing (H100: docs/perf/attention.md section 6.4); two
 // launches, each CTA returning at once where the other kernel owned its row, cost as much
 // again in empty CTAs.
 inline bool SplitsBySegmentRows(const AttentionParams& p, int block_n) {

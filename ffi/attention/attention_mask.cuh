@@ -110,7 +110,7 @@ __device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int ct
 // mask: one segment on both sides means no element is masked by segments, disjoint
 // ranges mean every element is (the tile is skipped). Loading ids per element from
 // global memory inside the softmax cost 2.1x the plain forward time
-// (docs/perf/attention.md, 'Segment ids').
+// (docs/perf/attention.md section 6.1).
 struct SegmentRange {
   int lo, hi;
 
@@ -196,7 +196,7 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
 
 // The same with the ranges given: the wgmma backward loops reduce them a step ahead, under
 // the previous step's products (the reductions on the critical path cost the options
-// case's backward 2-3%: docs/perf/attention.md, 'Segment decisions a step ahead'). A range
+// case's backward 2-3%: docs/perf/attention.md section 6.3). A range
 // may cover more rows or columns than the warp's (a warpgroup's, the same in its 4 warps,
 // so that `skip` is too): the decision is then coarser, never wrong.
 template <bool kMaskable>

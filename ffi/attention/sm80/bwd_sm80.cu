@@ -32,7 +32,7 @@ struct DqTraits {
   // 4 warps x 2 row tiles of 16 queries x 32-key tiles up to H = 128: each K/V fragment
   // feeds both row tiles, and 32 keys keep the score and dP tiles within the registers
   // left beside the 2 x H / 2 dQ accumulators. H = 256: 1 row tile (128 accumulators).
-  // Alternatives measured on the H100: docs/perf/attention.md, 'mma.sync backward'.
+  // Alternatives measured on the H100: docs/perf/attention.md section 2.2.
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kWarps = 4;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
@@ -160,7 +160,7 @@ struct DkvTraits {
   // ldmatrix bytes per MMA than one warp per 16 keys holding both dK and dV (which ran at
   // 41% tensor-pipe use on the H100, shared-memory bound). The lag lets both warps of a pair
   // run a step with no wait for each other: a barrier per step between them stalled ~12%
-  // of the time. Measurements: docs/perf/attention.md, 'mma.sync dK/dV in warp pairs'.
+  // of the time. Measurements: docs/perf/attention.md section 2.3.
   static constexpr int kHeadDim = kHeadDim_;
   // 4 pairs (128 keys, 8 warps) measured 232 vs 240 TFLOP/s bwd at H = 128, 178 vs 208 at
   // H = 64 (H100, T = 4096).

@@ -27,8 +27,8 @@ struct FwdTraits {
   // per MMA (ldmatrix, 128 B/clk/SM, bounds an mma.sync loop), and each K/V tile copied
   // into shared memory serves 256 queries, halving the L2 traffic of 128-query CTAs.
   // H = 256 keeps one row tile of 4 warps: 128 output accumulators per thread leave no
-  // room. Alternatives measured at H = 128, T = 4096 on the H100: docs/perf/attention.md,
-  // 'mma.sync forward'.
+  // room. Alternatives measured at H = 128, T = 4096 on the H100: docs/perf/attention.md
+  // sections 2.1-2.2.
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kMTiles = kHeadDim <= 128 ? 2 : 1;
   static constexpr int kWarps = kHeadDim <= 128 ? 8 : 4;
