@@ -13,7 +13,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxgpu._kernel_op import Layout, grouped_call
+from jaxgpu._kernel_op import (LSE, Layout, LseWeighted, explicit_spec, grouped_call,
+                               in_explicit_mode)
+from jaxgpu._kernel_op import _plan
 
 import oracle
 
@@ -353,3 +355,360 @@ def test_shard_map_keeps_varying_type(fn, cpu_devices, rng):
   assert oracle.varying_axes(seen["t"]) == {"a"}, seen
   assert_close(y, np_row_scale(x, s)[0])
   assert_close(t, np.asarray(x, np.float64).sum(1))
+
+
+# ---- public helpers -------------------------------------------------------------------------
+
+
+def test_explicit_spec_and_mode(cpu_devices):
+  """explicit_spec reads the sharding in an array's type, which only Explicit mesh axes put
+  there; in_explicit_mode says whether the type's mesh has one."""
+  x = jnp.ones((8, 4), jnp.float32)
+  assert explicit_spec(x) == (None, None) and not in_explicit_mode(x)
+  auto = _mesh(cpu_devices, "auto")
+  xa = jax.device_put(x, NamedSharding(auto, P("a", "b")))
+  assert explicit_spec(xa) == (None, None) and not in_explicit_mode(xa)
+  explicit = _mesh(cpu_devices, "explicit")
+  xe = jax.device_put(x, NamedSharding(explicit, P("a")))
+  assert explicit_spec(xe) == ("a", None) and in_explicit_mode(xe)
+  with jax.set_mesh(explicit):
+    seen = {}
+
+    def f(x):
+      seen["spec"], seen["mode"] = explicit_spec(x), in_explicit_mode(x)
+      return x
+
+    jax.jit(f)(xe)
+  assert seen == {"spec": ("a", None), "mode": True}, seen
+
+
+# ---- outputs combined by log-sum-exp --------------------------------------------------------
+#
+# A vocabulary-parallel LM head's normalizer: each shard's log-sum-exp over its vocabulary
+# slice, combined across shards. Rows 0 and 1 hold -inf over part of the vocabulary (some
+# shards see nothing) and over all of it (the result is -inf, not NaN).
+
+LSE_LAYOUT = Layout(inputs=("g ... v",), outputs=("g ...",), replicated=frozenset(),
+                    combine={0: LSE})
+
+
+def _row_lse(x):
+  return (jax.nn.logsumexp(x, axis=-1),)
+
+
+def _masked_logits(rng, shape):
+  x = np.asarray(oracle.randn(rng, shape, jnp.float32)) * 4
+  x[..., 0, : shape[-1] * 5 // 8] = -np.inf
+  x[..., 1, :] = -np.inf
+  return jnp.asarray(x)
+
+
+def np_row_lse(x):
+  x = np.asarray(x, np.float64)
+  top = np.max(x, axis=-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0)
+  with np.errstate(divide="ignore"):
+    return (top + np.log(np.sum(np.exp(x - top), axis=-1, keepdims=True)))[..., 0]
+
+
+def assert_close_inf(a, b, what=""):
+  """assert_close where -inf must match exactly (and NaN never passes)."""
+  a = np.asarray(a, np.float64)
+  assert not np.isnan(a).any(), what
+  np.testing.assert_array_equal(np.isneginf(a), np.isneginf(b), err_msg=what)
+  finite = np.isfinite(b)
+  assert_close(a[finite], b[finite], what)
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("vocab_axes", ["b", ("a", "b")])
+def test_lse_combine_sharded_vocab(axis_type, vocab_axes, cpu_devices, rng):
+  """The vocabulary sharded over 2 or 8 devices: each shard's lse is all-gathered and
+  combined locally, the only collective; rows keep their sharding."""
+  mesh = _mesh(cpu_devices, axis_type)
+  x = _masked_logits(rng, (8, 16))
+  rows = "a" if vocab_axes == "b" else None
+  seen = []
+
+  def row_lse(x):
+    seen.append(x.shape)
+    return _row_lse(x)
+
+  f = jax.jit(lambda x: grouped_call(row_lse, LSE_LAYOUT, x[None])[0][0])
+
+  def run():
+    xs = jax.device_put(x, NamedSharding(mesh, P(rows, vocab_axes)))
+    return f(xs), oracle.collectives(f.lower(xs).compile().as_text())
+
+  lse, coll = _run(mesh, axis_type, run)
+  assert_close_inf(lse, np_row_lse(x))
+  assert coll == {"all-gather"}, coll
+  assert (1, 2, 8) in seen if vocab_axes == "b" else (1, 8, 2) in seen, seen   # shards
+  assert tuple(lse.sharding.spec)[:1] in ((rows,), ()), lse.sharding
+
+
+def test_lse_combine_under_vmap(cpu_devices, rng):
+  """vmap over a batch of logits inside jit, the vocabulary sharded: the batch folds into
+  the group axis and the lse combine still needs one all-gather."""
+  mesh = _mesh(cpu_devices, "auto")
+  x = _masked_logits(rng, (3, 4, 16))
+  xs = jax.device_put(x, NamedSharding(mesh, P(None, None, ("a", "b"))))
+  f = jax.jit(jax.vmap(lambda x: grouped_call(_row_lse, LSE_LAYOUT, x[None])[0][0]))
+  assert _no_loops(jax.make_jaxpr(f)(xs))
+  assert_close_inf(f(xs), np_row_lse(x))
+  assert oracle.collectives(f.lower(xs).compile().as_text()) == {"all-gather"}
+
+
+# Decode attention with the keys sharded: each shard attends over its own keys and returns
+# its normalized output o_i with its lse_i; o = sum_i exp(lse_i - lse) o_i. The bias masks
+# (-inf) keys: row 0 sees keys in the first shard only, row 1 sees none.
+
+PAIR_LAYOUT = Layout(inputs=("g t h", "g s h", "g s h", "g t s"), outputs=("g t h", "g t"),
+                     replicated=frozenset({"h"}), combine={0: LseWeighted(lse=1), 1: LSE})
+
+
+def _local_attention(q, k, v, bias):
+  s = jnp.einsum("gth,gsh->gts", q, k) + bias
+  lse = jax.nn.logsumexp(s, axis=-1)
+  # A row that sees no key here: weights 0, output 0 (what the attention kernels return).
+  p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0)
+  return jnp.einsum("gts,gsh->gth", p, v), lse
+
+
+def np_attention(q, k, v, bias):
+  q, k, v, bias = (np.asarray(a, np.float64) for a in (q, k, v, bias))
+  s = q @ k.T + bias
+  lse = np_row_lse(s)
+  with np.errstate(invalid="ignore"):
+    p = np.where(np.isfinite(lse)[:, None], np.exp(s - lse[:, None]), 0)
+  return p @ v, lse
+
+
+def _attention_inputs(rng, t=6, s=16, h=4):
+  q, k, v = (oracle.randn(rng, shape, jnp.float32) for shape in ((t, h), (s, h), (s, h)))
+  bias = np.zeros((t, s), np.float32)
+  bias[0, s // 8:] = -np.inf
+  bias[1, :] = -np.inf
+  return q, k, v, jnp.asarray(bias)
+
+
+def _decode(q, k, v, bias):
+  o, lse = grouped_call(_local_attention, PAIR_LAYOUT, q[None], k[None], v[None], bias[None])
+  return o[0], lse[0]
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_lse_weighted_pair_sharded_keys(axis_type, cpu_devices, rng):
+  """Keys sharded over all 8 devices: one all-gather (the lse) and one all-reduce (the
+  weighted outputs), nothing else; rows where some or all shards see nothing are exact."""
+  mesh = _mesh(cpu_devices, axis_type)
+  q, k, v, bias = _attention_inputs(rng)
+  o64, lse64 = np_attention(q, k, v, bias)
+  f = jax.jit(_decode)
+
+  def run():
+    keys = NamedSharding(mesh, P(("a", "b"), None))
+    args = (jax.device_put(q, NamedSharding(mesh, P())), jax.device_put(k, keys),
+            jax.device_put(v, keys), jax.device_put(bias, NamedSharding(mesh, P(None, ("a", "b")))))
+    return f(*args), oracle.collectives(f.lower(*args).compile().as_text())
+
+  (o, lse), coll = _run(mesh, axis_type, run)
+  assert_close_inf(lse, lse64, "lse")
+  assert_close(o, o64, "o")
+  assert coll == {"all-gather", "all-reduce"}, coll
+
+
+def test_lse_weighted_pair_rows_and_keys(cpu_devices, rng):
+  """Rows over 'a', keys over 'b': the combine runs over 'b' only."""
+  mesh = _mesh(cpu_devices, "auto")
+  q, k, v, bias = _attention_inputs(rng, t=8)
+  o64, lse64 = np_attention(q, k, v, bias)
+  args = (jax.device_put(q, NamedSharding(mesh, P("a", None))),
+          jax.device_put(k, NamedSharding(mesh, P("b", None))),
+          jax.device_put(v, NamedSharding(mesh, P("b", None))),
+          jax.device_put(bias, NamedSharding(mesh, P("a", "b"))))
+  f = jax.jit(_decode)
+  o, lse = f(*args)
+  assert_close_inf(lse, lse64, "lse")
+  assert_close(o, o64, "o")
+  assert tuple(o.sharding.spec)[:1] == ("a",), o.sharding
+  assert oracle.collectives(f.lower(*args).compile().as_text()) == {"all-gather", "all-reduce"}
+
+
+def test_lse_weighted_pair_under_vmap(cpu_devices, rng):
+  """vmap over decode steps (q and bias batched, the sharded keys shared)."""
+  mesh = _mesh(cpu_devices, "auto")
+  steps = [_attention_inputs(rng) for _ in range(3)]
+  q = jnp.stack([s[0] for s in steps])
+  bias = jnp.stack([s[3] for s in steps])
+  _, k, v, _ = steps[0]
+  keys = NamedSharding(mesh, P(("a", "b"), None))
+  ks, vs = jax.device_put(k, keys), jax.device_put(v, keys)
+  bs = jax.device_put(bias, NamedSharding(mesh, P(None, None, ("a", "b"))))
+  f = jax.jit(jax.vmap(_decode, in_axes=(0, None, None, 0)))
+  assert _no_loops(jax.make_jaxpr(f)(q, ks, vs, bs))
+  o, lse = f(q, ks, vs, bs)
+  for i in range(3):
+    o64, lse64 = np_attention(q[i], k, v, bias[i])
+    assert_close_inf(lse[i], lse64, f"lse[{i}]")
+    assert_close(o[i], o64, f"o[{i}]")
+  assert oracle.collectives(f.lower(q, ks, vs, bs).compile().as_text()) == {"all-gather",
+                                                                          "all-reduce"}
+
+
+def test_combine_layout_errors():
+  with pytest.raises(ValueError, match="whose kind must be 'lse'"):
+    Layout(inputs=("g t",), outputs=("g t", "g t"), combine={0: LseWeighted(lse=1)})
+  with pytest.raises(ValueError, match="no output 2"):
+    Layout(inputs=("g t",), outputs=("g t",), combine={2: LSE})
+  with pytest.raises(ValueError, match="expected 'sum'"):
+    Layout(inputs=("g t",), outputs=("g t",), combine={0: "max"})
+
+
+# ---- blocked factors: one logical K at several sizes -------------------------------------------
+#
+# A dequantize-and-multiply toy: y = x @ (unpack(w) * scale), with the weight's K rows packed
+# two int4 values a byte ((K/2, N) uint8) and one scale per group of GROUP rows ((K/GROUP, N)).
+# x has K columns: three sizes of one factor, all split block-wise by a sharding of K.
+
+GROUP = 8
+QUANT_LAYOUT = Layout(inputs=("g m k", "g k n", "g k n"), outputs=("g m n",),
+                      replicated=frozenset(), blocked=frozenset({"k"}))
+
+
+def _unpack_int4(packed):
+  """(G, K/2, N) uint8 -> (G, K, N) int32 in [-8, 7]: row 2j the low nibble of byte j."""
+  lo = (packed & 0xF).astype(jnp.int32) - 8
+  hi = (packed >> 4).astype(jnp.int32) - 8
+  g, half, n = packed.shape
+  return jnp.stack([lo, hi], axis=2).reshape(g, 2 * half, n)
+
+
+class QuantRecorder:
+  """local_fn of the toy; asserts that every call sees the same rows of x, w and scales."""
+
+  def __init__(self):
+    self.seen: list[tuple[int, int, int]] = []
+
+  def __call__(self, x, packed, scales):
+    k = x.shape[-1]
+    self.seen.append((k, packed.shape[1], scales.shape[1]))
+    assert k == 2 * packed.shape[1] == GROUP * scales.shape[1], self.seen[-1]
+    w = _unpack_int4(packed).astype(jnp.float32) * jnp.repeat(scales, GROUP, axis=1)
+    return (jnp.einsum("gmk,gkn->gmn", x, w),)
+
+
+def _quant_matmul(fn, x, packed, scales):
+  return grouped_call(fn, QUANT_LAYOUT, x[None], packed[None], scales[None])[0][0]
+
+
+def _quant_inputs(rng, m=4, k=64, n=16):
+  x = oracle.randn(rng, (m, k), jnp.float32)
+  packed = jnp.asarray(rng.integers(0, 256, (k // 2, n), dtype=np.uint8))
+  scales = jnp.asarray(rng.uniform(0.5, 2.0, (k // GROUP, n)).astype(np.float32))
+  return x, packed, scales
+
+
+def np_dequantize(packed, scales):
+  p = np.asarray(packed).astype(np.int64)
+  w = np.empty((2 * p.shape[0], p.shape[1]))
+  w[0::2], w[1::2] = (p & 0xF) - 8, (p >> 4) - 8
+  return w * np.repeat(np.asarray(scales, np.float64), GROUP, axis=0)
+
+
+def assert_quant_close(y, x, packed, scales, what=""):
+  """Against float64, within float32 accumulation error: a sum of K products is off by
+  about K * 2^-24 of the sum of their magnitudes, whatever the cancellation."""
+  x64, w64 = np.asarray(x, np.float64), np_dequantize(packed, scales)
+  bound = np.abs(x64) @ np.abs(w64)
+  err = np.abs(np.asarray(y, np.float64) - x64 @ w64)
+  assert (err <= 1e-5 * bound).all(), (what, float((err / bound).max()))
+
+
+def test_blocked_rule():
+  """Shardy sees K as compound factors: k (the block count, K/GROUP) is the major part of
+  x's K and of the packed rows, so a sharding of either splits the scales alike."""
+  x, packed, scales = (jnp.zeros(s, d) for s, d in (((1, 4, 64), jnp.float32),
+                                                    ((1, 32, 16), jnp.uint8),
+                                                    ((1, 8, 16), jnp.float32)))
+  rule, sizes = _plan(QuantRecorder(), QUANT_LAYOUT, (x, packed, scales)).rule()
+  assert rule == "g m (k k_x8), g (k k_x4) n, g k n -> g m n", rule
+  assert sizes == {"k_x8": 8, "k_x4": 4}, sizes
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("sharded", ["x", "weights", "all", "all8"])
+def test_blocked_sharded_k(sharded, axis_type, cpu_devices, rng):
+  """K sharded in x, in the weight and scales, or in all three (over 4 or 8 devices): each
+  shard gets the same logical rows of all three (checked in local_fn), and the partial
+  products are all-reduced, the only collective."""
+  mesh = _mesh(cpu_devices, axis_type)
+  fn = QuantRecorder()
+  x, packed, scales = _quant_inputs(rng)
+  k_axes = ("a", "b") if sharded == "all8" else "a"
+  x_spec = P() if sharded == "weights" else P(None, k_axes)
+  w_spec = P() if sharded == "x" else P(k_axes, None)
+  f = jax.jit(lambda x, p, s: _quant_matmul(fn, x, p, s))
+
+  def run():
+    args = (jax.device_put(x, NamedSharding(mesh, x_spec)),
+            jax.device_put(packed, NamedSharding(mesh, w_spec)),
+            jax.device_put(scales, NamedSharding(mesh, w_spec)))
+    return f(*args), oracle.collectives(f.lower(*args).compile().as_text())
+
+  y, coll = _run(mesh, axis_type, run)
+  assert_quant_close(y, x, packed, scales)
+  assert coll == {"all-reduce"}, coll
+  shards = 8 if sharded == "all8" else 4
+  assert (64 // shards, 32 // shards, 8 // shards) in fn.seen, fn.seen
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+def test_blocked_sharded_n(axis_type, cpu_devices, rng):
+  """N sharded in the weight and scales: no collective, y keeps the sharding of N."""
+  mesh = _mesh(cpu_devices, axis_type)
+  fn = QuantRecorder()
+  x, packed, scales = _quant_inputs(rng)
+  f = jax.jit(lambda x, p, s: _quant_matmul(fn, x, p, s))
+
+  def run():
+    w = NamedSharding(mesh, P(None, "b"))
+    args = (jax.device_put(x, NamedSharding(mesh, P())), jax.device_put(packed, w),
+            jax.device_put(scales, w))
+    return f(*args), oracle.collectives(f.lower(*args).compile().as_text())
+
+  y, coll = _run(mesh, axis_type, run)
+  assert_quant_close(y, x, packed, scales)
+  assert coll == set(), coll
+  assert tuple(y.sharding.spec) == (None, "b"), y.sharding
+
+
+def test_blocked_never_splits_a_block(cpu_devices, rng):
+  """K = 32 is 4 blocks of GROUP rows, asked to be split over 8 devices: the factor keeps
+  only mesh axes whose size divides the block count (local_fn asserts that x, w and scales
+  hold the same logical rows), and the result is right."""
+  mesh = _mesh(cpu_devices, "auto")
+  fn = QuantRecorder()
+  x, packed, scales = _quant_inputs(rng, k=32)
+  args = (jax.device_put(x, NamedSharding(mesh, P(None, ("a", "b")))),
+          jax.device_put(packed, NamedSharding(mesh, P(("a", "b"), None))),
+          jax.device_put(scales, NamedSharding(mesh, P())))
+  y = jax.jit(lambda x, p, s: _quant_matmul(fn, x, p, s))(*args)
+  assert_quant_close(y, x, packed, scales)
+  assert all(scale_rows >= 1 for _, _, scale_rows in fn.seen), fn.seen
+
+
+def test_blocked_under_vmap(rng):
+  """vmap over activations (one weight shared) and over weights: folded, no loop."""
+  fn = QuantRecorder()
+  xs = [_quant_inputs(rng) for _ in range(3)]
+  x = jnp.stack([a[0] for a in xs])
+  packed = jnp.stack([a[1] for a in xs])
+  scales = jnp.stack([a[2] for a in xs])
+  f = jax.vmap(lambda x, p, s: _quant_matmul(fn, x, p, s), in_axes=(0, None, None))
+  assert _no_loops(jax.make_jaxpr(f)(x, packed[0], scales[0]))
+  y = jax.jit(f)(x, packed[0], scales[0])
+  g = jax.jit(jax.vmap(lambda x, p, s: _quant_matmul(fn, x, p, s)))(x, packed, scales)
+  for i in range(3):
+    assert_quant_close(y[i], x[i], packed[0], scales[0], f"y[{i}]")
+    assert_quant_close(g[i], x[i], packed[i], scales[i], f"g[{i}]")
