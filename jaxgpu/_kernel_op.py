@@ -326,45 +326,63 @@ class _Plan:
   replicated: frozenset[str]
   blocks: tuple[tuple[str, int], ...]        # (blocked factor, block count)
   combine: tuple[str | LseWeighted, ...]     # per output
-  order: tuple[int, ...]                     # inputs by sharding priority: aliased first
+  aliased: tuple[int, ...]                   # inputs that an output aliases
+
+  @property
+  def order(self) -> tuple[int, ...]:
+    """Inputs by sharding priority: aliased ones first."""
+    return self.aliased + tuple(i for i in range(len(self.in_factors)) if i not in self.aliased)
 
   def rule(self) -> tuple[str, dict[str, int]]:
     """The Shardy rule string and the sizes of its factors used only inside compound
-    factors: an array with r times a blocked factor's block count b rows maps that dim to
-    "(k k_xr)", k of size b the major part, so a sharding of any of them is block-wise."""
+    factors.
+
+    An array with r times a blocked factor's block count b rows maps that dim to
+    "(k k_xr)", k of size b the major part, so a sharding of any of them is block-wise.
+    The factors of an aliased input are named apart in the other inputs ("g_i1"): Shardy
+    then gives the outputs the aliased input's sharding even where another input's
+    conflicts (it would otherwise settle on neither, and the donated buffer could not be
+    reused); `decide` moves the other inputs to it."""
     blocks = dict(self.blocks)
+    owned = {f for i in self.aliased for f in self.in_factors[i]}
     sizes: dict[str, int] = {}
-    whole = set()
+    whole, majors = set(), {}
 
-    def dim(f, n):
+    def dim(f, n, index):
+      name = f"{f}_i{index}" if index is not None and f in owned else f
       if f not in blocks or n == blocks[f]:
-        whole.add(f)
-        return f
-      minor = f"{f}_x{n // blocks[f]}"
+        whole.add(name)
+        return name
+      majors[name] = blocks[f]
+      minor = f"{name}_x{n // blocks[f]}"
       sizes[minor] = n // blocks[f]
-      return f"({f} {minor})"
+      return f"({name} {minor})"
 
-    def arrays(factors, shapes):
-      return ", ".join(" ".join(dim(f, n) for f, n in zip(fs, shape))
-                       for fs, shape in zip(factors, shapes))
+    def arrays(factors, shapes, inputs):
+      return ", ".join(
+          " ".join(dim(f, n, i if inputs and i not in self.aliased else None)
+                   for f, n in zip(fs, shape))
+          for i, (fs, shape) in enumerate(zip(factors, shapes)))
 
-    text = (f"{arrays(self.in_factors, self.in_shapes)} -> "
-            f"{arrays(self.out_factors, self.out_shapes)}")
-    sizes.update({f: b for f, b in blocks.items() if f not in whole and any(
-        f in fs for fs in self.in_factors + self.out_factors)})
+    text = (f"{arrays(self.in_factors, self.in_shapes, True)} -> "
+            f"{arrays(self.out_factors, self.out_shapes, False)}")
+    sizes.update({name: b for name, b in majors.items() if name not in whole})
     return text, sizes
 
   def factor_axes(self, in_specs, axis_sizes, include_replicated=False) -> dict[str, object]:
-    """Mesh axes each factor keeps: the first input's sharding wins (an aliased input's
-    first), replicated factors (unless asked for) and size-1 group axes get none, no mesh
-    axis is used twice, and a blocked factor keeps only axes that divide its block count."""
+    """Mesh axes each factor keeps: an aliased input's sharding decides its factors (even
+    where it has none), then the first input's sharding wins, replicated factors (unless
+    asked for) and size-1 group axes get none, no mesh axis is used twice, and a blocked
+    factor keeps only axes that divide its block count."""
     blocks = dict(self.blocks)
     factor_axes: dict[str, object] = {}
+    claimed = {f for i in self.aliased for f in self.in_factors[i]}
     used: set[str] = set()
     for i in self.order:
       for f, ax in zip(self.in_factors[i], in_specs[i]):
         if (ax is None or (f in self.replicated and not include_replicated)
-            or f.startswith("one") or f in factor_axes):
+            or f.startswith("one") or f in factor_axes
+            or (f in claimed and i not in self.aliased)):
           continue
         axes = set(_axes_tuple(ax))
         if axes & used:
@@ -427,7 +445,6 @@ def _plan(local_fn: LocalFn, layout: Layout, args) -> _Plan:
                        f"{out_factors[kind.lse]} are not all among its own {out_factors[o]}")
   in_shapes = tuple(tuple(a.shape) for a in args)
   out_shape_tuple = tuple(tuple(o.shape) for o in out_shapes)
-  aliased = [i for i, _ in layout.aliases]
   return _Plan(
       in_factors=in_factors,
       out_factors=out_factors,
@@ -437,7 +454,7 @@ def _plan(local_fn: LocalFn, layout: Layout, args) -> _Plan:
       blocks=tuple(sorted(_block_counts(layout.blocked, in_factors + out_factors,
                                         in_shapes + out_shape_tuple).items())),
       combine=combine,
-      order=tuple(aliased + [i for i in range(len(args)) if i not in aliased]),
+      aliased=tuple(i for i, _ in layout.aliases),
   )
 
 

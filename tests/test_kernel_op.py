@@ -712,3 +712,150 @@ def test_blocked_under_vmap(rng):
   for i in range(3):
     assert_quant_close(y[i], x[i], packed[0], scales[0], f"y[{i}]")
     assert_quant_close(g[i], x[i], packed[i], scales[i], f"g[{i}]")
+
+
+# ---- aliased outputs: in-place cache writes ---------------------------------------------------
+#
+# A KV-cache update: rows (G, T, H) written into cache (G, S, H) at a per-group position,
+# the new cache returned in place of the old (aliases {0: 0}). S and T are replicated: the
+# local_fn indexes whole sequences.
+
+CACHE_LAYOUT = Layout(inputs=("g s h", "g t h", "g"), outputs=("g s h",),
+                      replicated=frozenset({"s", "t"}), aliases={0: 0})
+
+
+def _write_rows(cache, rows, pos):
+  write = lambda c, r, p: jax.lax.dynamic_update_slice(c, r, (p, 0))  # noqa: E731
+  return (jax.vmap(write)(cache, rows, pos),)
+
+
+def write_cache(cache, rows, pos):
+  """cache (B, S, H), rows (B, T, H), pos (B,) int32 -> the updated cache."""
+  return grouped_call(_write_rows, CACHE_LAYOUT, cache, rows, pos)[0]
+
+
+def np_write_cache(cache, rows, pos):
+  out = np.array(cache)
+  for b, p in enumerate(np.asarray(pos)):
+    out[b, p:p + rows.shape[1]] = rows[b]
+  return out
+
+
+def _cache_inputs(rng, b=8, s=12, t=3, h=4):
+  cache = oracle.randn(rng, (b, s, h), jnp.float32)
+  rows = oracle.randn(rng, (b, t, h), jnp.float32)
+  pos = jnp.asarray(rng.integers(0, s - t + 1, (b,)), jnp.int32)
+  return cache, rows, pos
+
+
+def test_alias_plain_and_donated(rng):
+  """Under jit the result is right, and with the cache donated the compiled module aliases
+  its buffer to the result."""
+  cache, rows, pos = _cache_inputs(rng)
+  want = np_write_cache(cache, rows, pos)
+  assert_close(jax.jit(write_cache)(cache, rows, pos), want)
+  donated = jax.jit(write_cache, donate_argnums=0)
+  hlo = donated.lower(cache, rows, pos).compile().as_text()
+  assert "input_output_alias" in hlo, hlo[:2000]
+  assert_close(donated(jnp.array(cache), rows, pos), want)
+
+
+@pytest.mark.parametrize("in_axes", [(0, 0, 0), (0, 0, None), (None, 0, 0), (1, None, None)])
+def test_alias_under_vmap(in_axes, rng):
+  """vmap folds the batch into the group axis: the aliased output keeps the folded input's
+  shape (an unbatched cache is copied per batch element: each gets its own writes)."""
+  n = 3
+  draws = [_cache_inputs(rng, b=2) for _ in range(n)]
+  args = tuple(draws[0][k] if ax is None else jnp.stack([d[k] for d in draws], axis=ax)
+               for k, ax in enumerate(in_axes))
+  f = jax.vmap(write_cache, in_axes=in_axes)
+  assert _no_loops(jax.make_jaxpr(f)(*args))
+  out = jax.jit(f)(*args)
+  assert out.shape == (n,) + cache.shape
+  for i in range(n):
+    c, r, p = (a if ax is None else np.take(np.asarray(a), i, axis=ax)
+               for a, ax in zip(args, in_axes))
+    assert_close(out[i], np_write_cache(c, r, p), f"[{i}]")
+
+
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
+@pytest.mark.parametrize("cache_spec,rows_spec", [(P("a", None, "b"), P("b", None, "a")),
+                                                  (P(), P("a", None, "b"))])
+def test_alias_sharded_keeps_input_sharding(cache_spec, rows_spec, axis_type, cpu_devices, rng):
+  """Rows sharded unlike the cache (or the cache not sharded at all): the aliased cache's
+  sharding wins, the output has exactly the input's, donation still aliases the buffer,
+  and the rows are moved to the cache's sharding (no reduction collective)."""
+  mesh = _mesh(cpu_devices, axis_type)
+  cache, rows, pos = _cache_inputs(rng)
+  want = np_write_cache(cache, rows, pos)
+  donated = jax.jit(write_cache, donate_argnums=0)
+
+  def run():
+    cs = jax.device_put(cache, NamedSharding(mesh, cache_spec))
+    rs = jax.device_put(rows, NamedSharding(mesh, rows_spec))
+    ps = jax.device_put(pos, NamedSharding(mesh, P()))
+    hlo = donated.lower(cs, rs, ps).compile().as_text()
+    return donated(cs, rs, ps), hlo
+
+  out, hlo = _run(mesh, axis_type, run)
+  assert_close(out, want)
+  padded = tuple(cache_spec) + (None,) * (3 - len(cache_spec))
+  assert tuple(out.sharding.spec) + (None,) * (3 - len(out.sharding.spec)) == padded, out.sharding
+  assert "input_output_alias" in hlo
+  assert "all-reduce" not in oracle.collectives(hlo)
+
+
+def test_alias_sharded_cache_only(cpu_devices, rng):
+  """Cache and rows sharded alike: no collective at all."""
+  mesh = _mesh(cpu_devices, "auto")
+  cache, rows, pos = _cache_inputs(rng)
+  spec = NamedSharding(mesh, P("a", None, "b"))
+  args = (jax.device_put(cache, spec), jax.device_put(rows, spec),
+          jax.device_put(pos, NamedSharding(mesh, P("a"))))
+  f = jax.jit(write_cache, donate_argnums=0)
+  hlo = f.lower(*args).compile().as_text()
+  out = f(*args)
+  assert_close(out, np_write_cache(cache, rows, pos))
+  assert oracle.collectives(hlo) == set(), oracle.collectives(hlo)
+  assert out.sharding.spec == P("a", None, "b") and "input_output_alias" in hlo
+
+
+def test_alias_reaches_the_ffi_call(cpu_devices, rng):
+  """An FFI kernel run in place (the CPU relu, elementwise) through grouped_call: after
+  partitioning, its custom call still aliases its output to its operand."""
+  from jaxgpu import _ffi
+  _ffi.registered_targets()
+  target = _ffi.target_name("jaxgpu_relu_fwd", "cpu")
+  layout = Layout(inputs=("g ...",), outputs=("g ...",), replicated=frozenset(),
+                  aliases={0: 0})
+
+  def relu_in_place(x):
+    out = jax.ShapeDtypeStruct(x.shape, x.dtype)
+    return (jax.ffi.ffi_call(target, out, input_output_aliases={0: 0})(x),)
+
+  mesh = _mesh(cpu_devices, "auto")
+  x = jax.device_put(oracle.randn(rng, (8, 6), jnp.float32), NamedSharding(mesh, P("a", "b")))
+  want = np.maximum(np.asarray(x), 0)
+  f = jax.jit(lambda x: grouped_call(relu_in_place, layout, x[None])[0][0], donate_argnums=0)
+  hlo = f.lower(x).compile().as_text()
+  line = next(ln for ln in hlo.splitlines() if target in ln)
+  assert "output_to_operand_aliasing" in line, line
+  assert "input_output_alias" in hlo
+  y = f(x)
+  assert_close(y, want)
+  assert y.sharding.spec == P("a", "b")
+
+
+def test_alias_errors():
+  with pytest.raises(ValueError, match="one factor string"):
+    Layout(inputs=("g s h", "g t h"), outputs=("g t h",), aliases={0: 0})
+  with pytest.raises(ValueError, match="without '\\[g\\]'"):
+    Layout(inputs=("[g] d",), outputs=("[g] d",), aliases={0: 0})
+  with pytest.raises(ValueError, match=r"lacks the input factors \['t'\]"):
+    Layout(inputs=("g s h", "g t h"), outputs=("g s h",), replicated=frozenset({"s"}),
+           aliases={0: 0})
+  with pytest.raises(ValueError, match="aliases two inputs"):
+    Layout(inputs=("g d", "g d"), outputs=("g d",), aliases={0: 0, 1: 0})
+  wrong_dtype = Layout(inputs=("g d",), outputs=("g d",), aliases={0: 0})
+  with pytest.raises(ValueError, match="aliases input 0"):
+    grouped_call(lambda x: (x.astype(jnp.int32),), wrong_dtype, jnp.ones((2, 3)))
