@@ -771,7 +771,7 @@ def test_alias_under_vmap(in_axes, rng):
   f = jax.vmap(write_cache, in_axes=in_axes)
   assert _no_loops(jax.make_jaxpr(f)(*args))
   out = jax.jit(f)(*args)
-  assert out.shape == (n,) + cache.shape
+  assert out.shape == (n,) + draws[0][0].shape
   for i in range(n):
     c, r, p = (a if ax is None else np.take(np.asarray(a), i, axis=ax)
                for a, ax in zip(args, in_axes))
