@@ -1,11 +1,18 @@
 """jaxgpu/_kernel_op.py on its own: the shared vmap (group folding) and sharding rules,
-with a tiny local_fn of plain jnp ops instead of an FFI call.
+with a tiny local_fn of plain jnp ops instead of an FFI call; then each extension point
+with a toy op of its own, and the implementation context (jaxgpu/_implementation.py).
 
 The op: y = x * scale (scale a "[g] d" parameter, shared when its group axis is 1) and
 t = the per-group sum of x over rows (a "g d" reduction output, like a weight gradient).
+The toys: a row log-sum-exp over a sharded vocabulary and decode attention over sharded
+keys (outputs combined by log-sum-exp), a dequantize-and-multiply of packed int4 weights
+(one factor K at three sizes), and a KV-cache write (an output aliasing an input).
 """
 
 from __future__ import annotations
+
+import re
+import threading
 
 import jax
 import jax.numpy as jnp
@@ -13,11 +20,13 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from jaxgpu._kernel_op import (LSE, Layout, LseWeighted, explicit_spec, grouped_call,
+import jaxgpu
+from jaxgpu import _implementation
+from jaxgpu._kernel_op import (LSE, Layout, LseWeighted, _plan, explicit_spec, grouped_call,
                                in_explicit_mode)
-from jaxgpu._kernel_op import _plan
 
 import oracle
+from conftest import HAS_CUDA
 
 AxisType = jax.sharding.AxisType
 
@@ -725,7 +734,9 @@ CACHE_LAYOUT = Layout(inputs=("g s h", "g t h", "g"), outputs=("g s h",),
 
 
 def _write_rows(cache, rows, pos):
-  write = lambda c, r, p: jax.lax.dynamic_update_slice(c, r, (p, 0))  # noqa: E731
+  def write(c, r, p):
+    return jax.lax.dynamic_update_slice(c, r, (p, 0))
+
   return (jax.vmap(write)(cache, rows, pos),)
 
 
@@ -859,3 +870,115 @@ def test_alias_errors():
   wrong_dtype = Layout(inputs=("g d",), outputs=("g d",), aliases={0: 0})
   with pytest.raises(ValueError, match="aliases input 0"):
     grouped_call(lambda x: (x.astype(jnp.int32),), wrong_dtype, jnp.ones((2, 3)))
+
+
+# ---- the implementation context -----------------------------------------------------------
+
+
+@pytest.fixture
+def no_env_choice(monkeypatch):
+  monkeypatch.delenv(_implementation.ENV_VAR, raising=False)
+
+
+def _kernel_targets(f, *args) -> set[str]:
+  hlo = jax.jit(f).lower(*args).compile().as_text()
+  return {t for t in re.findall(r'custom_call_target="([^"]+)"', hlo) if t.startswith("jaxgpu_")}
+
+
+def test_context_chooses_the_traced_targets(implementation, no_env_choice, rng):
+  """Ops traced in the block lower to the chosen implementation's targets (forward and
+  backward); outside it, to the default (the platform-generic target)."""
+  x = oracle.randn(rng, (4, 59), jnp.float32)
+  def fwd(x):
+    return jaxgpu.rms_norm(x)
+
+  bwd = jax.grad(lambda x: jaxgpu.rms_norm(x).sum())
+  with jaxgpu.implementation(implementation):
+    inside, grad_inside = _kernel_targets(fwd, x), _kernel_targets(bwd, x)
+    y = jaxgpu.rms_norm(x)   # un-jitted calls too
+  if implementation == "xla":
+    assert inside == set() and grad_inside == set(), (inside, grad_inside)
+  else:
+    assert f"jaxgpu_rms_norm_fwd_{implementation}" in inside, inside
+    assert f"jaxgpu_rms_norm_bwd_{implementation}" in grad_inside, grad_inside
+  outside = _kernel_targets(lambda x: jaxgpu.rms_norm(x), x)
+  assert "jaxgpu_rms_norm_fwd" in outside, outside
+  oracle.check(y, oracle.np_rms_norm(x)[0], oracle.jnp_rms_norm(x)[0], what="in the block")
+
+
+def test_context_is_read_at_trace_time(no_env_choice, rng):
+  """As documented: a function traced in a block keeps that choice outside it (jax.jit
+  caches the trace per function), and a new function object is traced afresh."""
+  x = oracle.randn(rng, (4, 59), jnp.float32)
+
+  def fwd(x):
+    return jaxgpu.rms_norm(x)
+
+  with jaxgpu.implementation("xla"):
+    jax.jit(fwd)(x)
+  assert _kernel_targets(fwd, x) == set()
+  assert "jaxgpu_rms_norm_fwd" in _kernel_targets(lambda x: fwd(x), x)
+
+
+def test_context_nesting_and_precedence(no_env_choice, monkeypatch):
+  """The explicit argument > the innermost block > the environment variable > the default;
+  None undoes the enclosing blocks; leaving a block (even by an exception) restores."""
+  resolve = _implementation.resolve
+  kernel = "cuda" if HAS_CUDA else "cpu"
+  default = resolve(None)
+  with jaxgpu.implementation("xla"):
+    assert resolve(None) == "xla"
+    assert resolve(kernel) == kernel
+    with jaxgpu.implementation(kernel):
+      assert resolve(None) == kernel
+      assert resolve("xla") == "xla"
+      with jaxgpu.implementation(None):
+        assert resolve(None) == default
+      assert resolve(None) == kernel
+    with pytest.raises(RuntimeError, match="inside"), jaxgpu.implementation(kernel):
+      raise RuntimeError("inside")
+    assert resolve(None) == "xla"
+  assert resolve(None) == default
+
+  monkeypatch.setenv(_implementation.ENV_VAR, "xla")
+  assert resolve(None) == "xla"
+  with jaxgpu.implementation(kernel):
+    assert resolve(None) == kernel
+    with jaxgpu.implementation(None):
+      assert resolve(None) == "xla"
+
+  @jaxgpu.implementation(kernel)
+  def decorated():
+    return resolve(None)
+
+  assert decorated() == kernel and decorated() == kernel
+  assert resolve(None) == "xla"
+
+
+def test_context_bad_value(no_env_choice):
+  for bad in ("bogus", "CUDA", "", 0):
+    with pytest.raises(ValueError, match="implementation"), jaxgpu.implementation(bad):
+      pass
+  assert _implementation._scoped.get() is None   # a refused block leaves no choice behind
+
+
+@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA backend")
+def test_context_cuda_without_gpu(no_env_choice):
+  """'cuda' is a valid name, so entering the block works; an op traced in it cannot run."""
+  with (jaxgpu.implementation("cuda"),
+        pytest.raises(ValueError, match="implementation='cuda' cannot run")):
+    jaxgpu.rms_norm(jnp.ones((2, 3)))
+
+
+def test_context_is_per_thread(no_env_choice):
+  """Another thread does not see this thread's block (contextvars: a new thread starts
+  with no choice)."""
+  default = _implementation.resolve(None)
+  seen = {}
+  with jaxgpu.implementation("xla"):
+    worker = threading.Thread(target=lambda: seen.setdefault("other",
+                                                              _implementation.resolve(None)))
+    worker.start()
+    worker.join()
+    seen["this"] = _implementation.resolve(None)
+  assert seen == {"other": default, "this": "xla"}, seen
