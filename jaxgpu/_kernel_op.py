@@ -39,12 +39,12 @@ collective per LSE output and one per value, where pmax + psum of exp-shifted va
 be two all-reduces for the normalizer alone, each as latency-bound as the one all-gather.
 
 Blocked factors. A factor listed in `Layout.blocked` may have different sizes in different
-arrays, each an integer multiple of a common block count: a weight's K rows, its packed
-int4 bytes (K/2 rows, two values a byte) and its per-group scales (K/group rows). A
-sharding splits all of them block-wise and consistently (shard i holds the same logical
-rows of each); a mesh axis that does not divide the block count is dropped (the factor is
-gathered). Shardy is told with compound factors: "(k k_x2)" for an array with twice the
-block count's rows.
+arrays, each an integer multiple of a common block count (the gcd of the sizes): a
+weight's K rows, its packed int4 bytes (K/2 rows, two values a byte) and its per-group
+scales (K/group rows). A sharding splits all of them block-wise and consistently (shard i
+holds the same logical rows of each); a mesh axis that does not divide the block count is
+dropped (the factor is gathered over it). Shardy is told with compound factors: "(k k_x2)"
+for an array with twice the block count's rows, k being the major part.
 
 Aliases. `Layout.aliases` {input index: output index} marks an output written in place of
 an input (a KV-cache update). Both have the same factor string, so the output keeps the
@@ -52,6 +52,10 @@ input's shape and sharding through vmap folding and partitioning (the aliased in
 sharding wins over other inputs'), and donating the input under jax.jit aliases the
 buffer end to end. The local_fn passes the pair to its jax.ffi.ffi_call as
 `input_output_aliases` (in its own operand order).
+
+For the ops' own code: `explicit_spec` and `in_explicit_mode` read an array's Explicit-mesh
+sharding (to reshape it without a relayout), `primal_types` and `match_primal_types` give
+cotangents their primals' types in a custom_vjp backward rule.
 
 A move to jax.experimental.hijax (recommended from jax 0.11) would touch only this file.
 """
