@@ -2,7 +2,8 @@
 
 Every op is a plain function that works under jax.jit, jax.grad, jax.vmap, shard_map,
 pmap and jit with sharded inputs; ``implementation=`` picks 'cuda', 'cpu' (FFI kernels)
-or 'xla' (the pure-JAX reference in jaxgpu.reference).
+or 'xla' (the pure-JAX reference in jaxgpu.reference), and ``with jaxgpu.implementation(...)``
+picks it for every op traced in the block.
 """
 
 import pkgutil
@@ -11,7 +12,8 @@ import pkgutil
 # is the source tree, which holds no compiled modules: look for them in the installed copy.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
-from jaxgpu._implementation import IMPLEMENTATIONS, available_implementations  # noqa: E402
+from jaxgpu._implementation import (  # noqa: E402
+    IMPLEMENTATIONS, available_implementations, implementation)
 from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
@@ -28,6 +30,7 @@ __all__ = [
     "dot_product_attention",
     "geglu",
     "gelu",
+    "implementation",
     "layer_norm",
     "relu",
     "rms_norm",

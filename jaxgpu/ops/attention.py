@@ -75,7 +75,7 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpu import _checks, _ffi, _implementation
 from jaxgpu._family import Family, Op
-from jaxgpu._kernel_op import (Layout, _explicit_spec, _in_explicit_mode, grouped_call,
+from jaxgpu._kernel_op import (Layout, explicit_spec, grouped_call, in_explicit_mode,
                                match_primal_types, primal_types)
 from jaxgpu.reference import attention as reference
 
@@ -287,8 +287,8 @@ def _split_heads(q, kv_heads: int):
   """
   b, t, n, h = q.shape
   shape = (b, t, kv_heads, n // kv_heads, h)
-  spec = _explicit_spec(q)
-  if not _in_explicit_mode(q) or spec[2] is None:
+  spec = explicit_spec(q)
+  if not in_explicit_mode(q) or spec[2] is None:
     return q.reshape(shape)
   mesh = jax.typeof(q).sharding.mesh
   axes = _axes_tuple(spec[2])
@@ -304,10 +304,10 @@ def _merge_heads(o, like):
   mesh (back to the caller's layout; a no-op unless _split_heads relaid it out)."""
   b, t, kh, r, h = o.shape
   shape = (b, t, kh * r, h)
-  if not _in_explicit_mode(like):
+  if not in_explicit_mode(like):
     return o.reshape(shape)
   return jax.lax.reshape(o, shape, out_sharding=NamedSharding(jax.typeof(like).sharding.mesh,
-                                                              PartitionSpec(*_explicit_spec(like))))
+                                                              PartitionSpec(*explicit_spec(like))))
 
 
 # ---- public API ---------------------------------------------------------------------------
