@@ -92,7 +92,7 @@ inline ffi::Error MakeNormFwdParams(NormKind kind, ffi::AnyBuffer x, ffi::AnyBuf
   using namespace norm_detail;
   auto dims = x.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("x: expected rank 3 (G, R, D)");
-  DType dtype;
+  DType dtype{};
   JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   if (!(eps > 0.f) || !std::isfinite(eps)) {
     return ffi::Error::InvalidArgument("eps: must be positive and finite");
@@ -159,7 +159,7 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
   using namespace norm_detail;
   auto dims = xh.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("xh: expected rank 3 (G, R, D)");
-  DType dtype;
+  DType dtype{};
   JAXGPU_RETURN_IF_ERROR(CheckDType(xh, kFloatDTypes, "xh", &dtype));
   if (kind == NormKind::kRms && want_dbias) {
     return ffi::Error::InvalidArgument("dbias: rms_norm has no bias");

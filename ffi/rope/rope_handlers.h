@@ -32,7 +32,7 @@ inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
                                  bool interleaved, bool inverse, RopeParams* p) {
   auto dims = x.dimensions();
   if (dims.size() != 4) return ffi::Error::InvalidArgument("x: expected rank 4 (R, T, N, H)");
-  DType dtype;
+  DType dtype{};
   JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   const int64_t R = dims[0], T = dims[1], N = dims[2], H = dims[3];
   if (H % 2 != 0) return ffi::Error::InvalidArgument("x: the last dim (H) must be even");

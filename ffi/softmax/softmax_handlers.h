@@ -47,7 +47,7 @@ inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
   auto dims = x.dimensions();
   const int rank = static_cast<int>(dims.size());
   if (rank < 1) return ffi::Error::InvalidArgument("x: expected rank >= 1 (..., S)");
-  DType dtype;
+  DType dtype{};
   JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   if (!std::isfinite(scale)) return ffi::Error::InvalidArgument("scale: must be finite");
   *p = SoftmaxFwdParams{};
@@ -131,7 +131,7 @@ inline ffi::Error MakeSoftmaxBwdParams(ffi::AnyBuffer y, ffi::AnyBuffer dy,
                                        int64_t query_len, SoftmaxBwdParams* p) {
   auto dims = y.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("y: expected rank >= 1 (..., S)");
-  DType dtype;
+  DType dtype{};
   JAXGPU_RETURN_IF_ERROR(CheckDType(y, kFloatDTypes, "y", &dtype));
   if (!std::isfinite(scale)) return ffi::Error::InvalidArgument("scale: must be finite");
   *p = SoftmaxBwdParams{};
