@@ -2,7 +2,7 @@
 
     python3 benchmarks/bench_rope.py                 # GPU: cuda vs xla, writes results/
     python3 benchmarks/bench_rope.py --out $OUT      # also writes $OUT/<gpu>.json, RESULTS.md
-    python3 benchmarks/bench_rope.py --sweep         # also the CUDA kernel's tuning hints
+    python3 benchmarks/bench_rope.py --sweep         # then the target case per knob setting
     python3 benchmarks/bench_rope.py --quick --no-write   # CPU smoke test: cpu vs xla
 
 Every case is timed for each implementation in the same run; the anchor is 'xla', the
@@ -45,7 +45,9 @@ TARGET_CASE = "q-half"
 # The issue's targets, for (8, 4096, 32, 128) bf16 on the H100 (XLA anchor there: 2.77 TB/s).
 TARGET_FWD_VS_XLA = 1.0
 TARGET_FWD_BWD_VS_XLA = 1.3
-# --sweep: (heads_per_thread, unroll) hints of the CUDA kernel (0 = its default).
+# --sweep: (heads_per_thread, unroll) settings of the CUDA kernel's developer knob
+# JAXGPU_ROPE_TUNE (ffi/common/dev_knobs.h: a build with JAXGPU_DEV_KNOBS=ON), each timed in
+# its own process (the kernel reads the knob once per process).
 SWEEP = [(4, 4), (8, 2), (8, 8), (16, 4), (32, 2), (32, 4), (32, 8), (2, 2), (1, 1)]
 MAX_POSITION = 1 << 20  # positions up to ~10^6: long context, where the angles matter
 
@@ -74,7 +76,7 @@ def _apply(impl: str, layout: str, rotary_dim, x, positions):
     if impl == NAIVE:
         return naive_rope(x, positions, layout=layout, rotary_dim=rotary_dim)
     return jaxgpu.rope(x, positions, layout=layout, rotary_dim=rotary_dim,
-                       implementation=impl.split("[")[0])
+                       implementation=impl)
 
 
 def make_fn(impl: str, layout: str, rotary_dim, pass_: str):
@@ -128,18 +130,25 @@ def make_inputs(key, shape, dtype, shared: bool, pass_: str):
     return (x, positions, inputs.random_array(kc, shape, dtype))
 
 
-def _tuned_fns(impl, layout, rotary_dim, pass_, args):
-    """The CUDA kernel compiled once per (heads_per_thread, unroll) hint: the hint is read
-    at trace time, so each variant is lowered and compiled inside its own context."""
-    import importlib
+def _sweep(bench: harness.Bench) -> None:
+    """The target case's CUDA kernel at each SWEEP setting of JAXGPU_ROPE_TUNE, one process
+    each (this script with --impl cuda --no-write), after the default run."""
+    import subprocess
 
-    rope_ops = importlib.import_module("jaxgpu.ops.rope")
-    fns = {}
+    from jaxgpu import _ffi
+
+    module = _ffi.cuda_module() if _ffi.has_cuda_backend() else None
+    if module is None or not module.dev_knobs():
+        print("--sweep: needs the CUDA module built with the developer knobs "
+              "(JAXGPU_DEV_KNOBS=ON pip install ...)", file=sys.stderr)
+        return
     for hpt, unroll in SWEEP:
-        with rope_ops._tuning(hpt, unroll):
-            fn = make_fn(impl, layout, rotary_dim, pass_)
-            fns[f"{impl}[h{hpt}u{unroll}]"] = fn.lower(*args).compile()
-    return fns
+        env = dict(os.environ, JAXGPU_ROPE_TUNE=f"{hpt},{unroll}", JAXGPU_BENCH_CASES=TARGET_CASE)
+        print(f"== JAXGPU_ROPE_TUNE={hpt},{unroll}", flush=True)
+        cmd = [sys.executable, os.path.abspath(__file__), "--impl", "cuda", "--no-write"]
+        if bench.quick:
+            cmd.append("--quick")
+        subprocess.run(cmd, env=env, check=False)
 
 
 def run(bench: harness.Bench) -> None:
@@ -169,10 +178,6 @@ def run(bench: harness.Bench) -> None:
             arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                              max_copies=max_copies)
             fns = {impl: make_fn(impl, layout, rotary_dim, pass_) for impl in impls}
-            if bench.args.sweep and name == TARGET_CASE:
-                # (the CPU kernel ignores the hints: swept only in the --quick smoke test)
-                for impl in [i for i in impls if i == "cuda" or (bench.quick and i == "cpu")]:
-                    fns.update(_tuned_fns(impl, layout, rotary_dim, pass_, arg_sets[0]))
             recs = bench.run_case(op="rope", case=name, pass_=pass_, shape=shape, dtype=dtype,
                                   fns=fns, arg_sets=arg_sets,
                                   anchor=ANCHOR if ANCHOR in impls else None,
@@ -186,12 +191,14 @@ def run(bench: harness.Bench) -> None:
                       f"{record.fmt(r.gbs, '7.0f')} GB/s {record.fmt(r.vs_anchor, '.2f')}x",
                       flush=True)
             del arg_sets, fns
+    if bench.args.sweep:
+        _sweep(bench)
 
 
 def _extend(parser) -> None:
     parser.add_argument("--sweep", action="store_true",
-                        help="also time the kernel at each (heads_per_thread, unroll) hint of "
-                             "SWEEP on the target case")
+                        help="then time the target case at each (heads_per_thread, unroll) of "
+                             "SWEEP through JAXGPU_ROPE_TUNE (a JAXGPU_DEV_KNOBS build)")
 
 
 if __name__ == "__main__":

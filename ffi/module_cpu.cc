@@ -11,5 +11,5 @@ NB_MODULE(_jaxgpu_cpu, m) {
 #undef JAXGPU_ADD
     return d;
   });
-  jaxgpu::DefineApiVersion(m);
+  jaxgpu::DefineBuildInfo(m);
 }

@@ -16,5 +16,5 @@ NB_MODULE(_jaxgpu_cuda, m) {
     return d;
   });
   m.def("cuda_architectures", []() { return std::string(JAXGPU_CUDA_ARCHS); });
-  jaxgpu::DefineApiVersion(m);
+  jaxgpu::DefineBuildInfo(m);
 }

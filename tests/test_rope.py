@@ -15,7 +15,10 @@ from __future__ import annotations
 import dataclasses
 import decimal
 import importlib
+import os
 import re
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +27,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgpu
+from jaxgpu import _ffi
 
 import oracle
 from conftest import HAS_CUDA
@@ -247,14 +251,31 @@ def test_forward_kernel_paths(case, implementation, rng):
   _check_forward(case, implementation, rng)
 
 
+_TUNED_ROPE = """
+import sys
+import jax, jax.numpy as jnp, numpy as np
+import jaxgpu
+d = np.load(sys.argv[1])
+y = jax.jit(lambda x, p: jaxgpu.rope(x, p, layout="half", rotary_dim=96,
+                                     implementation="cuda"))(jnp.asarray(d["x"], jnp.bfloat16), d["p"])
+np.save(sys.argv[2], np.asarray(y.astype(jnp.float32)))
+"""
+
+
 @pytest.mark.parametrize("tuning", [(1, 1), (3, 2), (8, 8), (32, 4), (5, 1)], ids=str)
-def test_tuning_hints(tuning, implementation, rng):
-  """The CUDA kernel's heads-per-thread / unroll hints change nothing but speed (the CPU
-  kernel and the reference ignore them)."""
+def test_tuning_knob(tuning, implementation, rng, tmp_path):
+  """The CUDA kernel's developer knob JAXGPU_ROPE_TUNE="heads_per_thread,unroll" changes
+  nothing but speed. It exists only in a build with JAXGPU_DEV_KNOBS=ON, and is read once
+  per process: each setting runs in its own."""
+  if implementation != "cuda" or not _ffi.cuda_module().dev_knobs():
+    pytest.skip("the knob is the CUDA kernel's, in a JAXGPU_DEV_KNOBS build")
   case = Case(jnp.bfloat16, (2, 7, 13, 128), "half", rotary_dim=96)
   x, positions = make_x(rng, case), make_positions(rng, case)
-  with rope_ops._tuning(*tuning):
-    y = jax.jit(op(implementation, **case.kw()))(x, positions)
+  np.savez(tmp_path / "in.npz", x=np.asarray(x.astype(jnp.float32)), p=np.asarray(positions))
+  env = dict(os.environ, JAXGPU_ROPE_TUNE=",".join(map(str, tuning)))
+  subprocess.run([sys.executable, "-c", _TUNED_ROPE, str(tmp_path / "in.npz"),
+                  str(tmp_path / "y.npy")], env=env, check=True)
+  y = jnp.asarray(np.load(tmp_path / "y.npy"), case.dtype)
   y64, lowp = expected(case, x, positions)
   oracle.check(y, y64, lowp, what=f"tuning {tuning}", dtype=case.dtype)
 

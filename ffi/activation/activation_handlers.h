@@ -87,12 +87,7 @@ inline ffi::Error MakeActParams(ActKind kind, bool gated, bool backward,
   }
   const ffi::AnyBuffer& ref = *ins.begin()->first;
   const char* ref_name = ins.begin()->second;
-  auto dtype = ToDType(ref.element_type());
-  if (!dtype) {
-    return ffi::Error::InvalidArgument(std::string(ref_name) +
-                                       ": dtype must be float32, bfloat16 or float16");
-  }
-  p->dtype = *dtype;
+  JAXGPU_RETURN_IF_ERROR(CheckDType(ref, kFloatDTypes, ref_name, &p->dtype));
   p->n = static_cast<int64_t>(ref.element_count());
   int i = 0;
   for (const auto& [buf, name] : ins) {

@@ -183,7 +183,7 @@ cudaError_t LaunchActivation(const ActParams& p, cudaStream_t stream) {
   a.n = p.n;
   return act::DispatchOp(p, [&](auto tag) {
     using Op = typename decltype(tag)::type;
-    return JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+    return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
       constexpr int kVec = 16 / sizeof(T);
       return aligned ? Launch<T, kVec, Op>(a, stream) : Launch<T, 1, Op>(a, stream);
     });

@@ -55,26 +55,10 @@ inline uint16_t FloatToF16(float f) {
   return uint16_t(sign | (r >> 13));
 }
 
-// Typed load/store of element i of a buffer holding `dtype`.
-inline float LoadAsFloat(const void* p, DType t, int64_t i) {
-  switch (t) {
-    case DType::kF32: return static_cast<const float*>(p)[i];
-    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(p)[i]);
-    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(p)[i]);
-  }
-  return 0.f;
-}
-
-inline void StoreFromFloat(void* p, DType t, int64_t i, float v) {
-  switch (t) {
-    case DType::kF32: static_cast<float*>(p)[i] = v; break;
-    case DType::kBF16: static_cast<uint16_t*>(p)[i] = FloatToBf16(v); break;
-    case DType::kF16: static_cast<uint16_t*>(p)[i] = FloatToF16(v); break;
-  }
-}
-
 // n elements from offset `at` of a buffer holding `t`, to / from float. One dtype switch
-// per row keeps the per-element loops branch-free (and vectorizable).
+// per row keeps the per-element loops branch-free (and vectorizable). `t` is one of
+// kFloatDTypes (the handlers admit no other, CheckDType): any other loads as NaN, stores
+// nothing and round-trips to NaN, so a misuse shows in the output instead of passing.
 inline void LoadFloats(const void* p, DType t, int64_t at, int64_t n, float* out) {
   switch (t) {
     case DType::kF32: {
@@ -92,6 +76,9 @@ inline void LoadFloats(const void* p, DType t, int64_t at, int64_t n, float* out
       for (int64_t i = 0; i < n; ++i) out[i] = F16ToFloat(src[i]);
       break;
     }
+    default:
+      for (int64_t i = 0; i < n; ++i) out[i] = BitsToFloat(0x7fc00000u);
+      break;
   }
 }
 
@@ -112,6 +99,8 @@ inline void StoreFloats(void* p, DType t, int64_t at, int64_t n, const float* in
       for (int64_t i = 0; i < n; ++i) dst[i] = FloatToF16(in[i]);
       break;
     }
+    default:
+      break;
   }
 }
 
@@ -121,8 +110,8 @@ inline float RoundTrip(float v, DType t) {
     case DType::kF32: return v;
     case DType::kBF16: return Bf16ToFloat(FloatToBf16(v));
     case DType::kF16: return F16ToFloat(FloatToF16(v));
+    default: return BitsToFloat(0x7fc00000u);
   }
-  return v;
 }
 
 }  // namespace jaxgpu::cpu

@@ -1,5 +1,6 @@
 // Device helpers shared by the CUDA kernels: vector load/store, float conversion of the
-// storage types, and deterministic row reductions. No XLA types.
+// storage types, and deterministic row reductions. No XLA types. Includes the dispatch
+// vocabulary (JAXGPU_DTYPE_SWITCH, JAXGPU_INT_SWITCH, JAXGPU_BOOL_SWITCH).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -8,6 +9,7 @@
 
 #include <cstdint>
 
+#include "common/cuda_dispatch.cuh"
 #include "common/dtype.h"
 
 namespace jaxgpu::cuda {
@@ -116,14 +118,6 @@ inline int NextPow2(int64_t n) {
 
 __host__ __device__ inline int64_t CeilDiv(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
-// Multiprocessor count of the current device (one attribute query per call: cheap, no sync).
-inline int SmCount() {
-  int device = 0, sms = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) return 1;
-  if (cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) return 1;
-  return sms > 0 ? sms : 1;
-}
-
 // Dynamic shared memory a block of a kernel may opt into (227 KiB on H100), less the
 // kernel's `static_bytes` of static shared memory (both count against the same limit).
 inline int64_t MaxStagedBytes(int64_t static_bytes) {
@@ -143,19 +137,3 @@ cudaError_t AllowSmem(Kernel kernel, int64_t bytes) {
 }
 
 }  // namespace jaxgpu::cuda
-
-// Runtime value -> compile-time type/constant (one instantiation per case).
-#define JAXGPU_DTYPE_SWITCH(dtype, T, ...)                      \
-  [&] {                                                         \
-    switch (dtype) {                                            \
-      case ::jaxgpu::DType::kF32: { using T = float; return __VA_ARGS__(); }          \
-      case ::jaxgpu::DType::kBF16: { using T = __nv_bfloat16; return __VA_ARGS__(); } \
-      default: { using T = __half; return __VA_ARGS__(); }      \
-    }                                                           \
-  }()
-
-#define JAXGPU_BOOL_SWITCH(cond, NAME, ...)                     \
-  [&] {                                                         \
-    if (cond) { constexpr bool NAME = true; return __VA_ARGS__(); }   \
-    else { constexpr bool NAME = false; return __VA_ARGS__(); }       \
-  }()

@@ -6,6 +6,7 @@
 
 #include <string>
 
+#include "common/dev_knobs.h"
 #include "xla/ffi/api/c_api.h"
 
 namespace jaxgpu {
@@ -15,12 +16,14 @@ nanobind::capsule HandlerCapsule(Fn* fn) {
   return nanobind::capsule(reinterpret_cast<void*>(fn));
 }
 
-// The XLA FFI API version the handlers were compiled against: a runtime older than it
-// rejects them (`python -m jaxgpu info` compares it with jaxlib's).
-inline void DefineApiVersion(nanobind::module_& m) {
+// What both modules report about their build: the XLA FFI API version the handlers were
+// compiled against (a runtime older than it rejects them; `python -m jaxgpu info` compares it
+// with jaxlib's), and whether the developer knobs (common/dev_knobs.h) are compiled in.
+inline void DefineBuildInfo(nanobind::module_& m) {
   m.def("ffi_api_version", []() {
     return std::to_string(XLA_FFI_API_MAJOR) + "." + std::to_string(XLA_FFI_API_MINOR);
   });
+  m.def("dev_knobs", []() { return kDevKnobs; });
 }
 
 }  // namespace jaxgpu

@@ -53,9 +53,7 @@ inline ffi::Error CheckLogits(const ffi::AnyBuffer& logits, DType* dtype, int64_
                               int64_t* vocab) {
   auto dims = logits.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("logits: expected rank >= 1 (..., V)");
-  auto t = ToDType(logits.element_type());
-  if (!t) return ffi::Error::InvalidArgument("logits: dtype must be float32, bfloat16 or float16");
-  *dtype = *t;
+  JAXGPU_RETURN_IF_ERROR(CheckDType(logits, kFloatDTypes, "logits", dtype));
   *vocab = dims[dims.size() - 1];
   *rows = 1;
   for (size_t i = 0; i + 1 < dims.size(); ++i) *rows *= dims[i];

@@ -409,22 +409,23 @@ RowMap ChooseRowMap(int64_t vocab, int vec) {
   return {tpr, block / tpr};
 }
 
-#define JAXGPU_CE_FLAGS_SWITCH(smooth, softcap, S, C, ...)                       \
-  JAXGPU_BOOL_SWITCH(smooth, S, [&] { return JAXGPU_BOOL_SWITCH(softcap, C, __VA_ARGS__); })
-
 }  // namespace
 
 cudaError_t LaunchCrossEntropyFwd(const CrossEntropyFwdParams& p, cudaStream_t stream) {
   if (p.rows == 0) return cudaSuccess;
-  JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+  const cudaError_t status = JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kVec = 16 / sizeof(T);
     const RowMap m = ChooseRowMap(p.vocab, kVec);
     const dim3 block(m.tpr, m.rows_per_block);
     const int64_t grid = CeilDiv(p.rows, m.rows_per_block);
-    JAXGPU_CE_FLAGS_SWITCH(p.label_smoothing > 0.f, p.softcap > 0.f, kSmooth, kSoftcap, [&] {
-      CrossEntropyFwdKernel<T, kVec, kSmooth, kSoftcap><<<grid, block, 0, stream>>>(p, m.tpr);
+    return JAXGPU_BOOL_SWITCH(p.label_smoothing > 0.f, kSmooth, [&] {
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+        CrossEntropyFwdKernel<T, kVec, kSmooth, kSoftcap><<<grid, block, 0, stream>>>(p, m.tpr);
+        return cudaSuccess;
+      });
     });
   });
+  if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 
@@ -434,19 +435,21 @@ cudaError_t LaunchCrossEntropyBwd(const CrossEntropyBwdParams& p, cudaStream_t s
   // boundary agree (always, for XLA's allocations); otherwise scalar accesses.
   const bool same_phase =
       ((reinterpret_cast<uintptr_t>(p.logits) ^ reinterpret_cast<uintptr_t>(p.dlogits)) & 15u) == 0;
-  JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+  const cudaError_t status = JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kVec = 16 / sizeof(T);
     const RowMap m = ChooseRowMap(p.vocab, same_phase ? kVec : 1);
     const dim3 block(m.tpr, m.rows_per_block);
     const int64_t grid = CeilDiv(p.rows, m.rows_per_block);
-    JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+    return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
       if (same_phase) {
         CrossEntropyBwdKernel<T, kVec, kSoftcap><<<grid, block, 0, stream>>>(p, m.tpr);
       } else {
         CrossEntropyBwdKernel<T, 1, kSoftcap><<<grid, block, 0, stream>>>(p, m.tpr);
       }
+      return cudaSuccess;
     });
   });
+  if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 

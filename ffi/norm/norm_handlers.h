@@ -92,8 +92,8 @@ inline ffi::Error MakeNormFwdParams(NormKind kind, ffi::AnyBuffer x, ffi::AnyBuf
   using namespace norm_detail;
   auto dims = x.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("x: expected rank 3 (G, R, D)");
-  auto dtype = ToDType(x.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("x: dtype must be float32, bfloat16 or float16");
+  DType dtype{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   if (!(eps > 0.f) || !std::isfinite(eps)) {
     return ffi::Error::InvalidArgument("eps: must be positive and finite");
   }
@@ -107,7 +107,7 @@ inline ffi::Error MakeNormFwdParams(NormKind kind, ffi::AnyBuffer x, ffi::AnyBuf
   const auto f32 = ffi::DataType::F32;
   *p = NormFwdParams{};
   p->kind = kind;
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->groups = G;
   p->rows_per_group = R;
   p->dim = D;
@@ -159,8 +159,8 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
   using namespace norm_detail;
   auto dims = xh.dimensions();
   if (dims.size() != 3) return ffi::Error::InvalidArgument("xh: expected rank 3 (G, R, D)");
-  auto dtype = ToDType(xh.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("xh: dtype must be float32, bfloat16 or float16");
+  DType dtype{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(xh, kFloatDTypes, "xh", &dtype));
   if (kind == NormKind::kRms && want_dbias) {
     return ffi::Error::InvalidArgument("dbias: rms_norm has no bias");
   }
@@ -171,7 +171,7 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
   const auto f32 = ffi::DataType::F32;
   *p = NormBwdParams{};
   p->kind = kind;
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->groups = G;
   p->rows_per_group = R;
   p->dim = D;

@@ -18,11 +18,9 @@
 #include "norm/norm_cuda.h"
 
 #include <algorithm>
-#include <array>
-#include <cstdio>
-#include <cstdlib>
 
 #include "common/cuda_utils.cuh"
+#include "common/dev_knobs.h"
 
 namespace jaxgpu::cuda {
 namespace {
@@ -55,7 +53,7 @@ struct RowConfig {
 // dweight/dbias accumulators for its columns, so it takes 2 and more threads.
 RowConfig ChooseRowConfig(int64_t dim, DType dtype, int target_vpt, int max_vpt, int max_tpr) {
   RowConfig c{};
-  const int full = static_cast<int>(16 / DTypeBytes(dtype));
+  const int full = static_cast<int>(16 / DTypeBytes(dtype, 1));
   c.vec = (dim % full == 0) ? full : 1;
   const int64_t nvec = CeilDiv(dim, c.vec);
   c.tpr = std::min(max_tpr, NextPow2(CeilDiv(nvec, target_vpt)));
@@ -631,15 +629,6 @@ __global__ void ReducePartials(const float* __restrict__ partials, int64_t slots
 
 using BwdKernel = void (*)(NormBwdParams, int, int, float*, float*);
 
-#define JAXGPU_VPT_SWITCH_UPTO4(vpt, VPT, ...)                    \
-  [&] {                                                           \
-    switch (vpt) {                                                \
-      case 1: { constexpr int VPT = 1; return __VA_ARGS__(); }    \
-      case 2: { constexpr int VPT = 2; return __VA_ARGS__(); }    \
-      default: { constexpr int VPT = 4; return __VA_ARGS__(); }   \
-    }                                                             \
-  }()
-
 // Register kernels (rows that are not whole 16-byte vectors) hold up to 4 (forward) or 2
 // (backward: it also holds accumulators) elements per thread at <= 512 threads; the
 // staged backward kernel holds up to 4 vectors of accumulators per thread. Wider rows
@@ -648,15 +637,12 @@ constexpr int kFwdRegsMaxVpt = 4;
 constexpr int kBwdRegsMaxVpt = 2;
 constexpr int kBwdStagedMaxVpt = 4;
 
-// Developer knob for tuning runs (benchmarks/, not for users): JAXGPU_NORM_TUNE="a,b"
-// overrides the target vectors per thread of the forward (a) and backward (b) passes.
+// Developer knob (common/dev_knobs.h): JAXGPU_NORM_TUNE="a,b" overrides the target vectors
+// per thread of the forward (a) and backward (b) passes.
 int TunedVpt(int which, int fallback) {
-  static const std::array<int, 2> tuned = [] {
-    std::array<int, 2> t{0, 0};
-    if (const char* env = std::getenv("JAXGPU_NORM_TUNE")) std::sscanf(env, "%d,%d", &t[0], &t[1]);
-    return t;
-  }();
-  return tuned[which] > 0 ? tuned[which] : fallback;
+  if (!kDevKnobs) return fallback;
+  static const DevKnob knob = ReadDevKnob("JAXGPU_NORM_TUNE");
+  return knob.ints[which] > 0 ? knob.ints[which] : fallback;
 }
 
 struct BwdLaunch {
@@ -665,10 +651,10 @@ struct BwdLaunch {
   int64_t smem;
 };
 
-BwdLaunch SelectBwd(const NormBwdParams& p) {
-  return JAXGPU_DTYPE_SWITCH(p.dtype, T, [&]() -> BwdLaunch {
+cudaError_t SelectBwd(const NormBwdParams& p, BwdLaunch* l) {
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kFull = 16 / sizeof(T);
-    return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&]() -> BwdLaunch {
+    return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
       const int arrays = p.dh ? 3 : 2;
       if (p.dim % kFull == 0) {
         // 4 vectors a thread (256 threads for 8192 bf16) measured 0.50 ms for rms_norm
@@ -680,18 +666,22 @@ BwdLaunch SelectBwd(const NormBwdParams& p) {
         constexpr int kStages = 2;
         const int64_t smem = kStages * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
         if (!c.loop && smem <= MaxStagedBytes(kScratchBytes)) {
-          return JAXGPU_VPT_SWITCH_UPTO4(c.vpt, VPT, [&]() -> BwdLaunch {
-            return {NormBwdStaged<T, kFull, VPT, kLayer, kStages>, c, smem};
+          return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
+            *l = {NormBwdStaged<T, kFull, VPT, kLayer, kStages>, c, smem};
+            return cudaSuccess;
           });
         }
       }
       const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 2, kBwdRegsMaxVpt, kRegsMaxThreads);
       const bool vec = p.dim % kFull == 0;
       if (c.loop) {
-        return {vec ? NormBwdLoop<T, kFull, kLayer> : NormBwdLoop<T, 1, kLayer>, c, 0};
+        *l = {vec ? NormBwdLoop<T, kFull, kLayer> : NormBwdLoop<T, 1, kLayer>, c, 0};
+        return cudaSuccess;
       }
-      if (c.vpt == 1) return {NormBwdRegs<T, 1, 1, kLayer>, c, 0};
-      return {NormBwdRegs<T, 1, 2, kLayer>, c, 0};
+      return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2), [&] {
+        *l = {NormBwdRegs<T, 1, VPT, kLayer>, c, 0};
+        return cudaSuccess;
+      });
     });
   });
 }
@@ -701,10 +691,9 @@ BwdLaunch SelectBwd(const NormBwdParams& p) {
 cudaError_t LaunchNormFwd(const NormFwdParams& p, cudaStream_t stream) {
   const int64_t rows = p.groups * p.rows_per_group;
   if (rows == 0 || p.dim == 0) return cudaSuccess;
-  cudaError_t err = cudaSuccess;
-  JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+  const cudaError_t status = JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kFull = 16 / sizeof(T);
-    JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
+    return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
       if (p.dim % kFull == 0) {
         // Staged: 256-thread blocks, a row per `tpr` threads (~4 vectors each).
         const int64_t nvec = p.dim / kFull;
@@ -714,24 +703,25 @@ cudaError_t LaunchNormFwd(const NormFwdParams& p, cudaStream_t stream) {
         if (smem <= MaxStagedBytes(kScratchBytes)) {
           auto kernel = p.residual ? NormFwdStaged<T, kFull, kLayer, true>
                                    : NormFwdStaged<T, kFull, kLayer, false>;
-          if ((err = AllowSmem(kernel, smem)) != cudaSuccess) return;
+          if (cudaError_t err = AllowSmem(kernel, smem); err != cudaSuccess) return err;
           kernel<<<CeilDiv(rows, rpb), dim3(tpr, rpb), smem, stream>>>(p, tpr);
-          return;
+          return cudaSuccess;
         }
       }
       const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 4, kFwdRegsMaxVpt, kRegsMaxThreads);
       if (c.loop || c.vec != 1) {  // too wide for registers (or for shared memory)
         auto kernel = c.vec == 1 ? NormFwdLoop<T, 1, kLayer> : NormFwdLoop<T, kFull, kLayer>;
         kernel<<<rows, 1024, 0, stream>>>(p);
-        return;
+        return cudaSuccess;
       }
-      JAXGPU_VPT_SWITCH_UPTO4(c.vpt, VPT, [&] {
+      return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
         NormFwdRegs<T, 1, VPT, kLayer><<<CeilDiv(rows, c.rows_per_block), dim3(c.tpr, c.rows_per_block),
                                          0, stream>>>(p, c.tpr);
+        return cudaSuccess;
       });
     });
   });
-  if (err != cudaSuccess) return err;
+  if (status != cudaSuccess) return status;
   return cudaGetLastError();
 }
 
@@ -743,7 +733,8 @@ cudaError_t LaunchNormBwd(const NormBwdParams& p, cudaStream_t stream) {
     if (p.dbias) cudaMemsetAsync(p.dbias, 0, sizeof(float) * p.groups * D, stream);
     return cudaGetLastError();
   }
-  const BwdLaunch l = SelectBwd(p);
+  BwdLaunch l{};
+  if (cudaError_t err = SelectBwd(p, &l); err != cudaSuccess) return err;
   if (cudaError_t err = AllowSmem(l.kernel, l.smem); err != cudaSuccess) return err;
   const int64_t one = p.groups * p.slots * D;
   float* ws_dw = p.dweight ? p.workspace : nullptr;

@@ -5,7 +5,7 @@
 //   args  x (R, T, N, H) f32|bf16|f16, positions (P, T) s32 with P >= 1 dividing R
 //   rets  y (R, T, N, H), the dtype of x
 //   attrs theta f64 (> 0, finite), rotary_dim s32 (even, 0 <= rotary_dim <= H),
-//         interleaved (bool), heads_per_thread s32, unroll s32 (tuning hints, 0 = default)
+//         interleaved (bool)
 // The bwd target is the same rotation by -angle (the transpose of a rotation is its
 // inverse): x is then the cotangent dy and y the gradient dx.
 #pragma once
@@ -25,18 +25,15 @@ namespace jaxgpu {
       .Ret<::xla::ffi::AnyBuffer>()          /* y */                               \
       .Attr<double>("theta")                 /* theta */                           \
       .Attr<int32_t>("rotary_dim")           /* rotary_dim */                      \
-      .Attr<bool>("interleaved")             /* interleaved */                     \
-      .Attr<int32_t>("heads_per_thread")     /* heads_per_thread */                \
-      .Attr<int32_t>("unroll")               /* unroll */
+      .Attr<bool>("interleaved")             /* interleaved */
 
 inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
                                  ffi::Result<ffi::AnyBuffer> y, double theta, int32_t rotary_dim,
-                                 bool interleaved, int32_t heads_per_thread, int32_t unroll,
-                                 bool inverse, RopeParams* p) {
+                                 bool interleaved, bool inverse, RopeParams* p) {
   auto dims = x.dimensions();
   if (dims.size() != 4) return ffi::Error::InvalidArgument("x: expected rank 4 (R, T, N, H)");
-  auto dtype = ToDType(x.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("x: dtype must be float32, bfloat16 or float16");
+  DType dtype{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   const int64_t R = dims[0], T = dims[1], N = dims[2], H = dims[3];
   if (H % 2 != 0) return ffi::Error::InvalidArgument("x: the last dim (H) must be even");
   if (N * H > INT32_MAX) {
@@ -49,9 +46,6 @@ inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
     return ffi::Error::InvalidArgument("rotary_dim: must be even and in [0, " +
                                        std::to_string(H) + "]");
   }
-  if (heads_per_thread < 0 || unroll < 0) {
-    return ffi::Error::InvalidArgument("heads_per_thread, unroll: must be >= 0");
-  }
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(y, x.element_type(), R * T * N * H, "y"));
   JAXGPU_RETURN_IF_ERROR(CheckDims(*y, {R, T, N, H}, "y"));
   if (positions.element_type() != ffi::DataType::S32) {
@@ -63,7 +57,7 @@ inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
                                        ") with P >= 1 dividing " + std::to_string(R));
   }
   *p = RopeParams{};
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->interleaved = interleaved;
   p->inverse = inverse;
   p->rows = R;
@@ -76,8 +70,6 @@ inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
   p->positions = static_cast<const int32_t*>(positions.untyped_data());
   p->y = y->untyped_data();
   p->log2_theta = std::log2(theta);
-  p->heads_per_thread = heads_per_thread;
-  p->unroll = unroll;
   return ffi::Error::Success();
 }
 

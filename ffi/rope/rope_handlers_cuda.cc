@@ -13,10 +13,10 @@ namespace {
 template <bool kInverse>
 ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer positions,
                     ffi::Result<ffi::AnyBuffer> y, double theta, int32_t rotary_dim,
-                    bool interleaved, int32_t heads_per_thread, int32_t unroll) {
+                    bool interleaved) {
   RopeParams p;
   JAXGPU_RETURN_IF_ERROR(MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved,
-                                        heads_per_thread, unroll, kInverse, &p));
+                                        kInverse, &p));
   return CudaStatus(cuda::LaunchRope(p, stream), "rope launch");
 }
 

@@ -26,6 +26,7 @@
 #include <type_traits>
 
 #include "common/cuda_utils.cuh"
+#include "common/dev_knobs.h"
 #include "rope/rope_angle.h"
 
 namespace jaxgpu::cuda {
@@ -313,11 +314,11 @@ int ChooseVec(const RopeParams& p) {
   return addr % (v * sizeof(T)) == 0 ? v : 0;
 }
 
-// Heads each thread walks through (reusing its angles), unless p.heads_per_thread says.
-// Few heads per thread recompute angles more often (a double exp2 per lane, then a
-// double product, reduction and float32 polynomial per frequency: ~150 double and ~100
-// float/int instructions per bf16 lane of 8 frequencies); many make threads long-lived,
-// so the last wave of blocks drains slowly. 8 heads: one angle per 16 rotated elements.
+// Heads each thread walks through (reusing its angles). Few heads per thread recompute
+// angles more often (a double exp2 per lane, then a double product, reduction and float32
+// polynomial per frequency: ~150 double and ~100 float/int instructions per bf16 lane of 8
+// frequencies); many make threads long-lived, so the last wave of blocks drains slowly.
+// 8 heads: one angle per 16 rotated elements.
 constexpr int kDefaultHeadsPerThread = 8;
 // Heads whose loads a thread issues at once: 4 heads of a half-layout bf16 lane are
 // 8 x 16 B = 128 B in flight per thread (the norm kernels needed ~64-128 B a thread).
@@ -326,35 +327,52 @@ constexpr int kDefaultHeadsPerThread = 8;
 // the 4-head kernel at 64 or 80 registers (__launch_bounds__ min blocks) spilled.
 constexpr int kDefaultUnroll = 4;
 
-#define JAXGPU_ROPE_UNROLL_SWITCH(unroll, U, ...)                  \
-  [&] {                                                           \
-    switch (unroll) {                                             \
-      case 1: { constexpr int U = 1; return __VA_ARGS__(); }      \
-      case 2: { constexpr int U = 2; return __VA_ARGS__(); }      \
-      case 8: { constexpr int U = 8; return __VA_ARGS__(); }      \
-      default: { constexpr int U = 4; return __VA_ARGS__(); }     \
-    }                                                             \
-  }()
+// Developer knob (common/dev_knobs.h): JAXGPU_ROPE_TUNE="h,u" overrides the heads per
+// thread (h, any positive count) and the heads whose loads a thread issues at once (u: 1,
+// 2, 4 or 8, the unrolls the full-width kernels are compiled for).
+struct Tune {
+  int heads_per_thread;
+  int unroll;
+};
+
+Tune GetTune() {
+  const Tune defaults{kDefaultHeadsPerThread, kDefaultUnroll};
+  if (!kDevKnobs) return defaults;
+  static const Tune tune = [&] {
+    const DevKnob knob = ReadDevKnob("JAXGPU_ROPE_TUNE");
+    Tune t = defaults;
+    if (knob.ints[0] > 0) t.heads_per_thread = knob.ints[0];
+    const int u = knob.ints[1];
+    if (u == 1 || u == 2 || u == 4 || u == 8) {
+      t.unroll = u;
+    } else if (u != 0) {
+      DevKnobIgnored("JAXGPU_ROPE_TUNE", "the unroll must be 1, 2, 4 or 8");
+    }
+    return t;
+  }();
+  return tune;
+}
 
 template <typename T, bool kInterleaved>
-Kernel SelectKernel(int vec, int unroll) {
+cudaError_t SelectKernel(int vec, int unroll, Kernel* kernel) {
   constexpr int kFull = 16 / sizeof(T);
   if (vec == kFull) {
-    return JAXGPU_ROPE_UNROLL_SWITCH(unroll, U, [&]() -> Kernel {
-      return RopeKernel<T, kFull, kInterleaved, U>;
+    return JAXGPU_INT_SWITCH(unroll, U, (1, 2, 4, 8), [&] {
+      *kernel = RopeKernel<T, kFull, kInterleaved, U>;
+      return cudaSuccess;
     });
   }
   // Narrow vectors (odd shapes): one unroll.
   if constexpr (kFull >= 8) {
-    if (vec == 4) return RopeKernel<T, 4, kInterleaved, kDefaultUnroll>;
+    if (vec == 4) *kernel = RopeKernel<T, 4, kInterleaved, kDefaultUnroll>;
   }
   if constexpr (kFull >= 4) {
-    if (vec == 2) return RopeKernel<T, 2, kInterleaved, kDefaultUnroll>;
+    if (vec == 2) *kernel = RopeKernel<T, 2, kInterleaved, kDefaultUnroll>;
   }
   if constexpr (!kInterleaved) {
-    if (vec == 1) return RopeKernel<T, 1, false, kDefaultUnroll>;
+    if (vec == 1) *kernel = RopeKernel<T, 1, false, kDefaultUnroll>;
   }
-  return nullptr;
+  return *kernel == nullptr ? cudaErrorInvalidValue : cudaSuccess;
 }
 
 }  // namespace
@@ -362,22 +380,21 @@ Kernel SelectKernel(int vec, int unroll) {
 cudaError_t LaunchRope(const RopeParams& p, cudaStream_t stream) {
   const int64_t tokens = p.rows * p.seq;
   if (tokens == 0 || p.heads == 0 || p.dim == 0) return cudaSuccess;
+  const Tune tune = GetTune();
   Kernel kernel = nullptr;
   int vec = 1;
-  JAXGPU_DTYPE_SWITCH(p.dtype, T, [&] {
+  const cudaError_t status = JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     vec = ChooseVec<T>(p);
-    if (vec == 0) return;
-    const int unroll = p.unroll > 0 ? p.unroll : kDefaultUnroll;
-    kernel = p.interleaved ? SelectKernel<T, true>(vec, unroll) : SelectKernel<T, false>(vec, unroll);
+    if (vec == 0) return cudaErrorMisalignedAddress;
+    return p.interleaved ? SelectKernel<T, true>(vec, tune.unroll, &kernel)
+                         : SelectKernel<T, false>(vec, tune.unroll, &kernel);
   });
-  if (vec == 0) return cudaErrorMisalignedAddress;
-  if (kernel == nullptr) return cudaErrorInvalidValue;
+  if (status != cudaSuccess) return status;
 
   RopeGrid g{};
   g.rot_lanes = static_cast<int>((p.interleaved ? p.rotary_dim : p.rotary_dim / 2) / vec);
   g.lanes = g.rot_lanes + static_cast<int>((p.dim - p.rotary_dim) / vec);
-  const int64_t hpt = std::min<int64_t>(
-      p.heads, p.heads_per_thread > 0 ? p.heads_per_thread : kDefaultHeadsPerThread);
+  const int64_t hpt = std::min<int64_t>(p.heads, tune.heads_per_thread);
   g.heads_per_thread = static_cast<int>(hpt);
   g.head_groups = static_cast<int>(CeilDiv(p.heads, hpt));
   g.units = tokens * g.head_groups;

@@ -28,10 +28,6 @@ struct RopeParams {
   const int32_t* positions;
   void* y;
   double log2_theta;     // inv_freq_i = 2^(-(2 i / rotary_dim) * log2_theta)
-  // Tuning hints (0: the launcher's default; the CPU ignores them): heads each CUDA
-  // thread walks through, reusing its angles, and heads whose loads it issues at once.
-  int32_t heads_per_thread;
-  int32_t unroll;
 };
 
 }  // namespace jaxgpu

@@ -47,11 +47,11 @@ inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
   auto dims = x.dimensions();
   const int rank = static_cast<int>(dims.size());
   if (rank < 1) return ffi::Error::InvalidArgument("x: expected rank >= 1 (..., S)");
-  auto dtype = ToDType(x.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("x: dtype must be float32, bfloat16 or float16");
+  DType dtype{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(x, kFloatDTypes, "x", &dtype));
   if (!std::isfinite(scale)) return ffi::Error::InvalidArgument("scale: must be finite");
   *p = SoftmaxFwdParams{};
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->cols = dims[rank - 1];
   if (p->cols > INT32_MAX) return ffi::Error::InvalidArgument("x: the last dim must be < 2^31");
   p->rows = 1;
@@ -131,11 +131,11 @@ inline ffi::Error MakeSoftmaxBwdParams(ffi::AnyBuffer y, ffi::AnyBuffer dy,
                                        int64_t query_len, SoftmaxBwdParams* p) {
   auto dims = y.dimensions();
   if (dims.size() < 1) return ffi::Error::InvalidArgument("y: expected rank >= 1 (..., S)");
-  auto dtype = ToDType(y.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("y: dtype must be float32, bfloat16 or float16");
+  DType dtype{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(y, kFloatDTypes, "y", &dtype));
   if (!std::isfinite(scale)) return ffi::Error::InvalidArgument("scale: must be finite");
   *p = SoftmaxBwdParams{};
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->cols = dims[dims.size() - 1];
   if (p->cols > INT32_MAX) return ffi::Error::InvalidArgument("y: the last dim must be < 2^31");
   p->rows = 1;

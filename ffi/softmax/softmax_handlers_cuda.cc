@@ -1,5 +1,5 @@
-// CUDA FFI handlers of the softmax family: validate, then launch softmax_kernels.cu on XLA's
-// stream. No syncs and no allocation, so they are safe to capture in CUDA graphs
+// CUDA FFI handlers of the softmax family: validate, then launch the kernels (softmax_cuda.h)
+// on XLA's stream. No syncs and no allocation, so they are safe to capture in CUDA graphs
 // (kCmdBufferCompatible).
 #include <string>
 

@@ -11,7 +11,6 @@ double precision, once per (token, frequency), and reuse it for every head.
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import functools
 import math
@@ -39,23 +38,6 @@ _X = "g ... t n d"
 _POS_PER_TOKEN = "g ... t"
 _POS_SHARED = "[g] t"
 
-# Tuning hints passed to the CUDA kernel (0: its defaults): heads a thread walks through
-# reusing its angles, and heads whose loads it issues at once. For benchmarks/ only.
-_TUNING = (0, 0)
-
-
-@contextlib.contextmanager
-def _tuning(heads_per_thread: int = 0, unroll: int = 0):
-  """Traces inside the block pass these hints to the CUDA kernel (benchmark sweeps)."""
-  global _TUNING
-  saved = _TUNING
-  _TUNING = (int(heads_per_thread), int(unroll))
-  try:
-    yield
-  finally:
-    _TUNING = saved
-
-
 @dataclasses.dataclass(frozen=True)
 class _Config:
   theta: float
@@ -64,7 +46,6 @@ class _Config:
   shared_positions: bool      # positions (T,) rather than x.shape[:-2]
   implementation: str | None  # 'cpu', 'cuda', or None (platform-generic)
   primal_types: tuple = (None,)  # of x (see _kernel_op)
-  tuning: tuple = (0, 0)
 
   def target(self, pass_: str) -> str:
     return ROPE.target(pass_, self.implementation)
@@ -83,8 +64,7 @@ def _rotate(cfg: _Config, x, positions, inverse: bool):
         jax.ShapeDtypeStruct((rows, seq, heads, dim), x.dtype),
     )(x.reshape(rows, seq, heads, dim), positions.reshape(-1, seq),
       theta=np.float64(cfg.theta), rotary_dim=np.int32(cfg.rotary_dim),
-      interleaved=cfg.interleaved, heads_per_thread=np.int32(cfg.tuning[0]),
-      unroll=np.int32(cfg.tuning[1]))
+      interleaved=cfg.interleaved)
     return (y.reshape(x.shape),)
 
   (y,) = grouped_call(local_fn, layout, x, positions)
@@ -196,5 +176,5 @@ def rope(x, positions, *, theta=10000.0, layout="half", rotary_dim=None,
   if impl == "xla" or x.size == 0:
     return reference.rope(x, positions, theta=theta, layout=layout, rotary_dim=r)
   positions = positions.astype(jnp.int32)
-  cfg = _Config(theta, layout == "interleaved", r, shared, impl, primal_types(x), _TUNING)
+  cfg = _Config(theta, layout == "interleaved", r, shared, impl, primal_types(x))
   return _rope(cfg, x, positions)
