@@ -10,8 +10,8 @@
 namespace jaxgpu::cuda {
 
 // The main loop a call runs on. kAuto: wgmma wherever it runs (a build with sm_90a code, a
-// compute capability 9.0 device, the head dim padded to 64, 128 or 256), unless the
-// environment sets JAXGPU_ATTENTION_MMA_SYNC; mma.sync otherwise. A forced path runs as
+// compute capability 9.0 device, the head dim padded to 64, 128 or 256), unless a
+// developer-knob build sets JAXGPU_ATTENTION_MMA_SYNC; mma.sync otherwise. A forced path runs as
 // asked or not at all. Returns nullptr and sets *resolved (never kAuto), or why `requested`
 // cannot run `p` here (a static message).
 const char* ResolveAttentionPath(const AttentionParams& p, AttentionPath requested,

@@ -5,13 +5,12 @@
 // in MainLoopOf.
 #include <cuda_runtime.h>
 
-#include <cstdlib>
-
 #include "attention/attention_cuda.h"
 #include "attention/attention_launch.cuh"
 #include "attention/attention_main_loop.h"
 #include "attention/sm80/main_loop.h"
 #include "attention/sm90/main_loop.h"
+#include "common/dev_knobs.h"
 
 namespace jaxgpu::cuda {
 namespace attention {
@@ -28,13 +27,11 @@ const MainLoop* MainLoopOf(AttentionPath path) {
   return nullptr;
 }
 
-// JAXGPU_ATTENTION_MMA_SYNC=1 makes kAuto take mma.sync everywhere (A/B comparisons of one
-// build); read once per process.
-bool MmaSyncByEnvironment() {
-  static const bool forced = [] {
-    const char* e = std::getenv("JAXGPU_ATTENTION_MMA_SYNC");
-    return e != nullptr && e[0] != '\0' && e[0] != '0';
-  }();
+// Developer knob (common/dev_knobs.h, a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_MMA_SYNC=1
+// makes kAuto take mma.sync everywhere (A/B comparisons of one build); read once per process.
+// Tests force a path per call instead (the `path` attribute).
+bool MmaSyncByDevKnob() {
+  static const bool forced = ReadDevKnob("JAXGPU_ATTENTION_MMA_SYNC").ints[0] != 0;
   return forced;
 }
 
@@ -45,7 +42,7 @@ const char* ResolveAttentionPath(const AttentionParams& p, AttentionPath request
                                  AttentionPath* resolved) {
   using namespace attention;
   if (requested == AttentionPath::kAuto) {
-    const bool wgmma = !MmaSyncByEnvironment() && sm90::kMainLoop.unavailable(p) == nullptr;
+    const bool wgmma = !MmaSyncByDevKnob() && sm90::kMainLoop.unavailable(p) == nullptr;
     *resolved = wgmma ? AttentionPath::kWgmma : AttentionPath::kMmaSync;
     return nullptr;
   }

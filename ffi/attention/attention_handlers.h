@@ -118,10 +118,10 @@ inline ffi::Error MakeAttentionShape(const ffi::AnyBuffer& q, const ffi::AnyBuff
   auto kd = k.dimensions();
   if (qd.size() != 5) return ffi::Error::InvalidArgument("q: expected rank 5 (B, T, K, R, H)");
   if (kd.size() != 4) return ffi::Error::InvalidArgument("k: expected rank 4 (B, S, K, H)");
-  auto dtype = ToDType(q.element_type());
-  if (!dtype) return ffi::Error::InvalidArgument("q: dtype must be float32, bfloat16 or float16");
+  DType dtype;
+  JAXGPU_RETURN_IF_ERROR(CheckDType(q, kFloatDTypes, "q", &dtype));
   *p = AttentionParams{};
-  p->dtype = *dtype;
+  p->dtype = dtype;
   p->batch = qd[0];
   p->q_len = qd[1];
   p->kv_heads = qd[2];

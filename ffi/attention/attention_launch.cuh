@@ -22,12 +22,8 @@
 
 // The tensor-core kernels take 16-bit inputs only (float32 runs the XLA path; see
 // jaxgpu/ops/attention.py).
-#define JAXGPU_ATTENTION_DTYPE_SWITCH(dtype, T, ...)                              \
-  [&] {                                                                           \
-    if ((dtype) == ::jaxgpu::DType::kBF16) { using T = __nv_bfloat16; return __VA_ARGS__(); } \
-    using T = __half;                                                             \
-    return __VA_ARGS__();                                                         \
-  }()
+#define JAXGPU_ATTENTION_DTYPE_SWITCH(dtype, T, ...) \
+  JAXGPU_DTYPE_SWITCH(dtype, T, ::jaxgpu::kHalfDTypes, __VA_ARGS__)
 
 namespace jaxgpu::cuda::attention {
 
@@ -42,16 +38,9 @@ inline int PaddedHeadDim(int64_t h) {
   return 256;
 }
 
-#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                  \
-  [&] {                                                                    \
-    switch (::jaxgpu::cuda::attention::PaddedHeadDim(h)) {                 \
-      case 32: { constexpr int D = 32; return __VA_ARGS__(); }             \
-      case 64: { constexpr int D = 64; return __VA_ARGS__(); }             \
-      case 96: { constexpr int D = 96; return __VA_ARGS__(); }             \
-      case 128: { constexpr int D = 128; return __VA_ARGS__(); }           \
-      default: { constexpr int D = 256; return __VA_ARGS__(); }            \
-    }                                                                      \
-  }()
+#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                             \
+  JAXGPU_INT_SWITCH(::jaxgpu::cuda::attention::PaddedHeadDim(h), D, (32, 64, 96, 128, 256), \
+                    __VA_ARGS__)
 
 // The handler has validated shapes; these are the limits of the CUDA kernels themselves.
 inline cudaError_t CheckLaunchable(const AttentionParams& p) {

@@ -68,6 +68,6 @@ struct CudaType<DType::kS32> {
 // cudaErrorInvalidValue for any other dtype.
 #define JAXGPU_DTYPE_SWITCH(dtype, T, SET, ...)                                              \
   ::jaxgpu::SwitchDType<(SET), ::jaxgpu::cuda::CudaType>((dtype), [&](auto _jaxgpu_tag) { \
-    using T = typename decltype(_jaxgpu_tag)::type;                                          \
+    using T = typename std::decay_t<decltype(_jaxgpu_tag)>::type;                            \
     return __VA_ARGS__();                                                                    \
   })

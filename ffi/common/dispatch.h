@@ -105,7 +105,7 @@ auto SwitchDType(DType t, Fn&& fn) {
 // vector counts, head dims, unrolls.
 #define JAXGPU_INT_SWITCH(expr, NAME, CASES, ...)                                     \
   ::jaxgpu::SwitchInt<JAXGPU_DISPATCH_UNPAREN CASES>((expr), [&](auto _jaxgpu_tag) { \
-    constexpr int NAME = decltype(_jaxgpu_tag)::value;                             \
+    constexpr int NAME = std::decay_t<decltype(_jaxgpu_tag)>::value;               \
     return __VA_ARGS__();                                                          \
   })
 

@@ -30,13 +30,6 @@ inline std::optional<DType> DTypeOf(ffi::DataType t) {
   }
 }
 
-// The float storage types only (kFloatDTypes), for handlers that check the dtype themselves.
-inline std::optional<DType> ToDType(ffi::DataType t) {
-  const std::optional<DType> d = DTypeOf(t);
-  if (d && InDTypeSet(kFloatDTypes, *d)) return d;
-  return std::nullopt;
-}
-
 // XLA's element type by its NumPy name, for error messages.
 inline std::string DataTypeName(ffi::DataType t) {
   if (const std::optional<DType> d = DTypeOf(t)) return DTypeName(*d);

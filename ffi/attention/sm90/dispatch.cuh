@@ -40,9 +40,12 @@ cudaError_t Dispatch(const AttentionParams& p, Launch&& launch) {
         });
       });
     };
+    // The wgmma main loop's unavailable() admits only these; anything else is an error.
     const int padded = PaddedHeadDim(p.head_dim);
+    if (padded == 64) return run(Traits<64>{});
+    if (padded == 128) return run(Traits<128>{});
     if (padded == 256) return run(Traits<256>{});
-    return padded == 64 ? run(Traits<64>{}) : run(Traits<128>{});
+    return cudaErrorInvalidValue;
   });
 }
 
