@@ -472,16 +472,19 @@ def test_lse_combine_under_vmap(cpu_devices, rng):
 # its normalized output o_i with its lse_i; o = sum_i exp(lse_i - lse) o_i. The bias masks
 # (-inf) keys: row 0 sees keys in the first shard only, row 1 sees none.
 
+# On a GPU float32 products default to TF32 (~1e-4 relative): the toys ask for float32.
+_HIGHEST = jax.lax.Precision.HIGHEST
+
 PAIR_LAYOUT = Layout(inputs=("g t h", "g s h", "g s h", "g t s"), outputs=("g t h", "g t"),
                      replicated=frozenset({"h"}), combine={0: LseWeighted(lse=1), 1: LSE})
 
 
 def _local_attention(q, k, v, bias):
-  s = jnp.einsum("gth,gsh->gts", q, k) + bias
+  s = jnp.einsum("gth,gsh->gts", q, k, precision=_HIGHEST) + bias
   lse = jax.nn.logsumexp(s, axis=-1)
   # A row that sees no key here: weights 0, output 0 (what the attention kernels return).
   p = jnp.where(jnp.isfinite(lse)[..., None], jnp.exp(s - lse[..., None]), 0)
-  return jnp.einsum("gts,gsh->gth", p, v), lse
+  return jnp.einsum("gts,gsh->gth", p, v, precision=_HIGHEST), lse
 
 
 def np_attention(q, k, v, bias):
@@ -604,7 +607,7 @@ class QuantRecorder:
     self.seen.append((k, packed.shape[1], scales.shape[1]))
     assert k == 2 * packed.shape[1] == GROUP * scales.shape[1], self.seen[-1]
     w = _unpack_int4(packed).astype(jnp.float32) * jnp.repeat(scales, GROUP, axis=1)
-    return (jnp.einsum("gmk,gkn->gmn", x, w),)
+    return (jnp.einsum("gmk,gkn->gmn", x, w, precision=_HIGHEST),)
 
 
 def _quant_matmul(fn, x, packed, scales):
