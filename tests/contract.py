@@ -95,7 +95,7 @@ class ShardingCase:
   kernels_only: bool = False        # fwd, bwd and the layouts hold for the FFI kernels only
   grad: bool = True
   axis_types: tuple = ("auto", "explicit")
-  hlo_check: Callable | None = None   # (compiled HLO text) -> bool, on both programs
+  hlo_check: Callable | None = None   # (compiled HLO text) -> bool, on both programs, as fwd
   explicit_like: tuple = ()           # (output, argument): the same jax.typeof spec (Explicit)
 
 
