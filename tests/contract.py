@@ -135,6 +135,10 @@ class OpSpec:
   oracle: Callable
   outputs: tuple = ("y",)
   lowp: Callable | None = None          # (arrays, static) -> tuple of outputs
+  # (arrays as numpy, static, cotangents or None) -> (outputs, {argument: gradient} or None)
+  # in float64 numpy: the oracle of the untransformed cases where jnp under x64 would cost a
+  # compilation each (attention's analytic gradients).
+  np_oracle: Callable | None = None
   # (one example's arrays as numpy, static, its cotangents or None, the op's outputs for
   # it) -> ({output: extra atol}, {argument: extra atol of its gradient}).
   atol: Callable | None = None
@@ -228,13 +232,61 @@ def to64(tree):
   return jax.tree.map(conv, tree)
 
 
-def expected(spec: OpSpec, transform, static: dict, dtype, *args):
-  """(float64 oracle, low-precision reference) of transform(fn)(*args), fn the oracle."""
-  lowp = jax.jit(transform(ref_fn(spec, static)))(*args)
+def expected(spec: OpSpec, transform, static: dict, dtype, *args, cache_as=None):
+  """(float64 oracle, low-precision reference) of transform(fn)(*args), fn the oracle.
+  cache_as: a name for `transform` under which its jitted references are kept for the
+  next test with the same op, options and dtype (x64 or not is part of jax's own cache
+  key, and so are the shapes)."""
+  lowp = _jitted(spec, transform, static, None, cache_as)(*args)
   with oracle.x64():
-    exact = jax.jit(transform(ref_fn(spec, static, dtype)))(*to64(args))
+    exact = _jitted(spec, transform, static, dtype, cache_as)(*to64(args))
     exact = jax.tree.map(oracle.as_f64, exact)
   return exact, lowp
+
+
+_JITTED = {}
+
+
+def _jitted(spec: OpSpec, transform, static: dict, dtype, cache_as):
+  make = lambda: jax.jit(transform(ref_fn(spec, static, dtype)))
+  if cache_as is None:
+    return make()
+  key = (spec.name, cache_as, tuple(sorted(static.items())),
+         None if dtype is None else jnp.dtype(dtype).name)
+  try:
+    hash(key)
+  except TypeError:
+    return make()
+  if key not in _JITTED:
+    _JITTED[key] = make()
+  return _JITTED[key]
+
+
+def _numpy(tree):
+  return jax.tree.map(np.asarray, tree)
+
+
+def expected_outputs(spec: OpSpec, static: dict, dtype, arrays: dict):
+  """expected() of the plain call."""
+  if spec.np_oracle is None:
+    return expected(spec, lambda f: f, static, dtype, arrays, cache_as="outputs")
+  lowp = _jitted(spec, lambda f: f, static, None, "outputs")(arrays)
+  return spec.np_oracle(_numpy(arrays), static, None)[0], lowp
+
+
+def expected_grads(spec: OpSpec, static: dict, dtype, arrays: dict, cots: tuple):
+  """expected() of the gradients {argument: gradient} of <outputs, cots>."""
+  transform = lambda f: lambda a, c: grad_fn(spec, f)(a, c)[0]
+  if spec.np_oracle is None:
+    return expected(spec, transform, static, dtype, arrays, cots, cache_as="grads")
+  lowp = _jitted(spec, transform, static, None, "grads")(arrays, cots)
+  return spec.np_oracle(_numpy(arrays), static, _numpy(cots))[1], lowp
+
+
+def compiled(f, *args):
+  """(f(*args), the compiled HLO text) from one compilation."""
+  exe = jax.jit(f).lower(*args).compile()
+  return exe(*args), exe.as_text()
 
 
 def output_avals(spec: OpSpec, inputs: Inputs):

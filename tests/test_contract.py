@@ -138,7 +138,7 @@ def test_default_implementation_runs_platform_kernel(spec, platform, rng):
 
 
 def _check_forward(spec, arrays, static, got, what):
-  exact, lowp = C.expected(spec, lambda f: f, static, C.op_dtype(arrays), arrays)
+  exact, lowp = C.expected_outputs(spec, static, C.op_dtype(arrays), arrays)
   out_atol, _ = C.atols(spec, static, [(arrays, None, got)])
   C.check_outputs(spec, got, exact, lowp, out_atol, what)
 
@@ -245,7 +245,7 @@ def test_size_zero(spec, example, implementation, rng):
     assert g.shape == a.shape and g.dtype == a.dtype, (g.shape, g.dtype, a)
     assert e.shape == a.shape and e.dtype == a.dtype, (e.shape, e.dtype, a)
   dtype = C.op_dtype(arrays)
-  exact, lowp = C.expected(spec, lambda f: f, static, dtype, arrays)
+  exact, lowp = C.expected_outputs(spec, static, dtype, arrays)
   C.check_outputs(spec, got, exact, lowp, {}, "size 0")
   if not spec.differentiable:
     return
@@ -253,12 +253,17 @@ def test_size_zero(spec, example, implementation, rng):
   grads, _ = jax.jit(C.grad_fn(spec, f))(arrays, cots)
   for k, v in grads.items():
     assert v.shape == arrays[k].shape and v.dtype == arrays[k].dtype, k
-  exact, lowp = C.expected(spec, lambda f: lambda a, c: C.grad_fn(spec, f)(a, c)[0], static,
-                           dtype, arrays, cots)
+  exact, lowp = C.expected_grads(spec, static, dtype, arrays, cots)
   C.check_grads(spec, grads, exact, lowp, {}, "size 0")
 
 
 # ---- vmap ----------------------------------------------------------------------------------------
+
+
+def _vmap_key(case, names) -> tuple:
+  """What a vmap transform of the references depends on (their cache key, with the op,
+  its options and dtype)."""
+  return (repr(case.in_axes), case.level_sizes(), tuple(names))
 
 
 def test_vmap(spec, case, implementation, rng):
@@ -271,7 +276,8 @@ def test_vmap(spec, case, implementation, rng):
   one = C.output_avals(spec, spec.make(rng, case.example))
   for g, a in zip(got, one):
     assert g.shape == case.level_sizes() + a.shape and g.dtype == a.dtype, (g.shape, a)
-  exact, lowp = C.expected(spec, transform, static, case.example.dtype, arrays)
+  exact, lowp = C.expected(spec, transform, static, case.example.dtype, arrays,
+                           cache_as=("vmap",) + _vmap_key(case, names))
   out_atol, _ = C.atols(spec, static, [
       (C.take_example(arrays, case, i), None, tuple(np.asarray(g)[i] for g in got))
       for i in C.example_indices(case)])
@@ -301,7 +307,8 @@ def _grad_case(spec, case, implementation, rng, per_example: bool):
             else arrays[k].shape)
     assert v.shape == want and v.dtype == arrays[k].dtype, (k, v.shape, want)
   exact, lowp = C.expected(spec, lambda f: lambda a, c: transform(f)(a, c)[0], static,
-                           case.example.dtype, arrays, cots)
+                           case.example.dtype, arrays, cots,
+                           cache_as=(per_example,) + _vmap_key(case, names))
   scale = None if per_example else {k: C.shared_factor(case, k) for k in grads}
   _, grad_atol = C.atols(spec, static, [
       (C.take_example(arrays, case, i), tuple(np.asarray(c)[i] for c in cots),
@@ -338,12 +345,11 @@ def test_sharded(spec, case, axis_type, host_implementation, cpu_devices, rng):
   def run():
     a = C.put(mesh, arrays, case.in_specs)
     c = tuple(C.put(mesh, {"c": x}, {"c": s})["c"] for x, s in zip(cots, cot_specs))
-    fwd = jax.jit(f)
-    outs, fwd_hlo = fwd(a), fwd.lower(a).compile().as_text()
+    outs, fwd_hlo = C.compiled(f, a)
     if not grad:
       return outs, None, fwd_hlo, None
-    bwd = jax.jit(lambda a, c: C.grad_fn(spec, f)(a, c)[0])
-    return outs, bwd(a, c), fwd_hlo, bwd.lower(a, c).compile().as_text()
+    grads, bwd_hlo = C.compiled(lambda a, c: C.grad_fn(spec, f)(a, c)[0], a, c)
+    return outs, grads, fwd_hlo, bwd_hlo
 
   outs, grads, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
   named = dict(zip(spec.outputs, outs))
@@ -370,12 +376,11 @@ def test_sharded(spec, case, axis_type, host_implementation, cpu_devices, rng):
     for out, arg in case.explicit_like:
       assert jax.typeof(named[out]).sharding.spec == jax.typeof(grads[arg]).sharding.spec
   dtype = C.op_dtype(arrays)
-  exact, lowp = C.expected(spec, lambda f: f, static, dtype, arrays)
+  exact, lowp = C.expected_outputs(spec, static, dtype, arrays)
   out_atol, grad_atol = C.atols(spec, static, [(arrays, cots, outs)])
   C.check_outputs(spec, outs, exact, lowp, out_atol, f"sharded {case.id}")
   if grad:
-    exact, lowp = C.expected(spec, lambda f: lambda a, c: C.grad_fn(spec, f)(a, c)[0],
-                             static, dtype, arrays, cots)
+    exact, lowp = C.expected_grads(spec, static, dtype, arrays, cots)
     C.check_grads(spec, grads, exact, lowp, grad_atol, f"sharded {case.id}")
 
 
@@ -409,15 +414,14 @@ def test_shard_map(spec, host_implementation, cpu_devices, rng):
   smf = lambda a: sm(*[a[n] for n in names])
   outs = jax.jit(smf)(arrays)
   dtype = C.op_dtype(arrays)
-  exact, lowp = C.expected(spec, lambda f: f, static, dtype, arrays)
+  exact, lowp = C.expected_outputs(spec, static, dtype, arrays)
   cots = C.make_cotangents(rng, C.output_avals(spec, C.Inputs(arrays, static)))
   out_atol, grad_atol = C.atols(spec, static, [(arrays, cots, outs)])
   C.check_outputs(spec, outs, exact, lowp, out_atol, "shard_map")
   if not spec.differentiable:
     return
   grads, _ = jax.jit(C.grad_fn(spec, smf))(arrays, cots)
-  exact, lowp = C.expected(spec, lambda f: lambda a, c: C.grad_fn(spec, f)(a, c)[0], static,
-                           dtype, arrays, cots)
+  exact, lowp = C.expected_grads(spec, static, dtype, arrays, cots)
   C.check_grads(spec, grads, exact, lowp, grad_atol, "grad of shard_map")
 
 
@@ -449,8 +453,7 @@ def test_grad_inside_shard_map(spec, check_vma, host_implementation, cpu_devices
                  out_specs=tuple(in_specs[k] for k in diff), check_vma=check_vma)
   got = dict(zip(diff, jax.jit(sm)(*arrays.values(), *cots)))
   outs = C.op_fn(spec, host_implementation, static)(arrays)
-  exact, lowp = C.expected(spec, lambda f: lambda a, c: C.grad_fn(spec, f)(a, c)[0], static,
-                           C.op_dtype(arrays), arrays, cots)
+  exact, lowp = C.expected_grads(spec, static, C.op_dtype(arrays), arrays, cots)
   _, grad_atol = C.atols(spec, static, [(arrays, cots, outs)])
   C.check_grads(spec, got, exact, lowp, grad_atol,
                 f"grad inside shard_map (check_vma={check_vma})")
@@ -482,7 +485,8 @@ def test_pmap(spec, host_implementation, cpu_devices, rng):
   f = C.op_fn(spec, host_implementation, static)
   outs = C.vmapped(f, names, case, mapper=jax.pmap, devices=devices)(*arrays.values())
   vm = lambda f: lambda a: C.vmapped(f, names, case)(*[a[n] for n in names])
-  exact, lowp = C.expected(spec, vm, static, case.example.dtype, arrays)
+  exact, lowp = C.expected(spec, vm, static, case.example.dtype, arrays,
+                           cache_as=("vmap",) + _vmap_key(case, names))
   indices = list(C.example_indices(case))
   out_atol, _ = C.atols(spec, static, [
       (C.take_example(arrays, case, i), None, tuple(np.asarray(o)[i] for o in outs))
@@ -497,7 +501,8 @@ def test_pmap(spec, host_implementation, cpu_devices, rng):
       *arrays.values(), cots)
   per_ex = lambda f: lambda a, c: C.vmapped(lambda a, c: C.grad_fn(spec, f)(a, c)[0], names,
                                             case, extra=1)(*[a[n] for n in names], c)
-  exact, lowp = C.expected(spec, per_ex, static, case.example.dtype, arrays, cots)
+  exact, lowp = C.expected(spec, per_ex, static, case.example.dtype, arrays, cots,
+                           cache_as=(True,) + _vmap_key(case, names))
   _, grad_atol = C.atols(spec, static, [
       (C.take_example(arrays, case, i), tuple(np.asarray(c)[i] for c in cots),
        tuple(np.asarray(o)[i] for o in outs)) for i in indices])

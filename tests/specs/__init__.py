@@ -8,11 +8,9 @@ numerics. A new family (jaxgpu._family.FAMILY_NAMES) adds its module here.
 from __future__ import annotations
 
 import importlib
-import importlib.util
 
 from jaxgpu import _family
 
 # {public op name: OpSpec}, in family order.
 SPECS = {spec.name: spec for name in _family.FAMILY_NAMES
-         if importlib.util.find_spec(f"specs.{name}")  # (while families are converted)
          for spec in importlib.import_module(f"specs.{name}").SPECS}
