@@ -13,6 +13,9 @@ and sharded calls are all held to the 2x rule of tests/oracle.py against the pla
 function's float64 values. A family's extra rounding atol is computed per example (the
 spec's `atol` sees one unbatched example) and the largest is used.
 
+A forward-only op (its family declares differentiable=False) has no diff_args: no gradient
+case is generated for it, and test_grad_refused checks that jax.grad refuses it.
+
 Arguments are dicts {parameter name: array} in the op's order; the op is called with them
 as keywords. Results are tuples (an op returning one array gives a 1-tuple), named by
 `OpSpec.outputs`. Every result gets a random cotangent, exactly representable in its dtype.
@@ -95,7 +98,7 @@ class ShardingCase:
   kernels_only: bool = False        # fwd, bwd and the layouts hold for the FFI kernels only
   grad: bool = True
   axis_types: tuple = ("auto", "explicit")
-  hlo_check: Callable | None = None   # (compiled HLO text) -> bool, on both programs, as fwd
+  hlo_check: Callable | None = None   # (compiled HLO text) -> bool, both programs (as fwd)
   explicit_like: tuple = ()           # (output, argument): the same jax.typeof spec (Explicit)
 
 
