@@ -21,6 +21,7 @@ import pytest
 import jaxgpu
 
 import oracle
+from specs import SPECS
 from specs.softmax import GRAD_ATOL_ULPS, Case, dx_atol, jnp_softmax, make_mask, make_x, np_keep
 from specs.softmax import np_softmax
 
@@ -258,11 +259,10 @@ def test_mask_not_broadcast_in_memory(mask_shape, host_implementation, rng):
 
 
 def _raw_fwd(x, mask, out_shape, **attrs):
-  from jaxgpu import _ffi
   a = dict(scale=np.float32(1.0), causal=False, has_mask=mask is not None,
            query_len=np.int64(1))
   a.update(attrs)
-  return jax.ffi.ffi_call(_ffi.target_name("jaxgpu_softmax_fwd", "cpu"), out_shape)(
+  return jax.ffi.ffi_call(SPECS["softmax"].op.target("fwd", "cpu"), out_shape)(
       x, jnp.zeros((0,), bool) if mask is None else mask, **a)
 
 
