@@ -1,17 +1,15 @@
-"""softmax (jaxgpu/ops/softmax.py, kernels in ffi/softmax/), one test base run against every
-implementation (the `implementation` fixture, conftest.py).
-
-Oracles: float64 numpy (forward) and jax.grad of a jnp softmax under a local x64 context
-(gradients), both written here, independently of jaxgpu.reference. Semantics: those of
-jax.nn.softmax(x * scale, where=keep) with keep = mask & causal, except that a row with
-nothing kept is all zeros (and has a zero gradient) where jax.nn.softmax gives NaN.
+"""softmax (jaxgpu/ops/softmax.py, kernels in ffi/softmax/): the numerics and semantics, run
+against every implementation (the `implementation` fixture, conftest.py). The transform
+contract (vmap, sharding, shard_map, pmap, bad inputs, size 0, targets) is
+tests/test_contract.py's, from the spec in tests/specs/softmax.py, which also holds the
+oracles: float64 numpy (forward) and jax.grad of a jnp softmax under a local x64 context
+(gradients), written independently of jaxgpu.reference.
 Error rule (tests/oracle.py): max error against float64 at most 2x that of a jnp softmax
 computed in the same low precision (statistics in float32), plus a small rounding atol.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -19,88 +17,17 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 import jaxgpu
 
 import oracle
-from conftest import HAS_CUDA
+from specs import SPECS
+from specs.softmax import GRAD_ATOL_ULPS, Case, dx_atol, jnp_softmax, make_mask, make_x, np_keep
+from specs.softmax import np_softmax
 
-try:
-  from jax import shard_map
-except ImportError:  # older jax
-  from jax.experimental.shard_map import shard_map  # type: ignore
-
-AxisType = jax.sharding.AxisType
 DTYPES = oracle.DTYPES
 
-# ---- oracles -----------------------------------------------------------------------------
-
-
-def np_keep(shape, causal=False, mask=None) -> np.ndarray:
-  keep = np.ones(shape, bool)
-  if mask is not None:
-    keep &= np.broadcast_to(np.asarray(mask), shape)
-  if causal:
-    t, s = shape[-2:]
-    keep &= np.tril(np.ones((t, s), bool))   # top-left aligned: key j <= query i
-  return keep
-
-
-def np_softmax(x, scale=None, causal=False, mask=None) -> np.ndarray:
-  """float64 softmax of the exact values x holds; nothing kept -> zeros."""
-  v = oracle.as_f64(x) * (1.0 if scale is None else scale)
-  keep = np_keep(v.shape, causal, mask)
-  v = np.where(keep, v, -np.inf)
-  m = v.max(-1, keepdims=True) if v.shape[-1] else np.zeros(v.shape[:-1] + (1,))
-  m = np.where(m == -np.inf, 0.0, m)
-  e = np.where(keep, np.exp(v - m), 0.0)
-  s = e.sum(-1, keepdims=True)
-  return e / np.where(s == 0, 1.0, s)
-
-
-def jnp_softmax(x, scale=None, causal=False, mask=None):
-  """The same in jnp, any precision: statistics in float32 (or x's dtype if wider),
-  result in x's dtype. Differentiable with zero gradients on rows with nothing kept."""
-  stat = jnp.promote_types(x.dtype, jnp.float32)
-  v = x.astype(stat)
-  if scale is not None:
-    v = v * scale
-  keep = None if mask is None else jnp.asarray(mask)
-  if causal:
-    t, s = x.shape[-2:]
-    c = jnp.tril(jnp.ones((t, s), bool))
-    keep = c if keep is None else keep & c
-  if keep is not None:
-    v = jnp.where(keep, v, -jnp.inf)
-  m = jax.lax.stop_gradient(jnp.max(v, -1, keepdims=True, initial=-jnp.inf))
-  m = jnp.where(m == -jnp.inf, 0.0, m)
-  e = jnp.exp(v - m)
-  s = jnp.sum(e, -1, keepdims=True)
-  return (e / jnp.where(s == 0, 1.0, s)).astype(x.dtype)
-
-
 # ---- cases ---------------------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Case:
-  shape: tuple[int, ...]
-  scale: float | None = None
-  causal: bool = False
-  mask: tuple[int, ...] | None = None   # the mask's own shape (broadcastable to shape)
-  p_drop: float = 0.3                   # fraction of mask entries that are False
-
-  def id(self) -> str:
-    parts = ["x".join(map(str, self.shape))]
-    if self.scale is not None:
-      parts.append(f"scale{self.scale:g}")
-    if self.causal:
-      parts.append("causal")
-    if self.mask is not None:
-      parts.append("mask" + ("x".join(map(str, self.mask)) or "scalar"))
-    return "-".join(parts)
-
 
 # S = 1, 3, 59, 4097 (odd: scalar kernels), 64/128/4096 (16-byte vectors), 65536 and beyond;
 # T = 1, 17, with T != S both ways under the causal mask; masks of several broadcast shapes.
@@ -132,18 +59,6 @@ CASES = [
     Case((6, 59), mask=(6, 59), p_drop=0.9),            # sparse: some rows fully masked
 ]
 CASE_IDS = [c.id() for c in CASES]
-
-
-def make_x(rng, case: Case, dtype, shape=None):
-  shape = case.shape if shape is None else shape
-  return oracle.randn(rng, shape, dtype, float(rng.uniform(0.5, 4.0)), float(rng.uniform(-2, 2)))
-
-
-def make_mask(rng, case: Case, shape=None):
-  shape = case.mask if shape is None else shape
-  if shape is None:
-    return None
-  return jnp.asarray(rng.random(shape) >= case.p_drop)
 
 
 def kernel_fn(implementation, case: Case):
@@ -178,38 +93,14 @@ def ref_grad(case: Case, x, mask, cot):
   return jax.grad(lambda x: loss(ref_fn(case), x, mask, cot))(x)
 
 
-def grad_expected(case: Case, x, mask, cot, loss_fn=None):
+def grad_expected(case: Case, x, mask, cot):
   """(float64 oracle, low-precision reference) gradients wrt x."""
-  if loss_fn is None:
-    grad = functools.partial(ref_grad, case)
-  else:
-    grad = jax.jit(jax.grad(lambda x, m, c: loss_fn(ref_fn(case), x, m, c)))
+  grad = functools.partial(ref_grad, case)
   lowp = grad(x, mask, cot)
   with oracle.x64():
     exact = oracle.as_f64(grad(to64(x), mask, to64(cot)))
   return exact, lowp
 
-
-def dx_atol(case: Case, y64, cot, dtype) -> float:
-  """Rounding atol of dx = scale * y * (dy - sum(dy * y)), two sources:
-  * the backward pass reads y ROUNDED to the op's dtype (the residual is the output, not x),
-    while XLA's autodiff of the reference never rounds its float32 y. A rounding
-    y_k (1 + d_k), |d_k| <= u, moves dx_j by at most
-    |scale| u y_j (|dy_j| + |sum dy y| + sum |dy_k| y_k): ulps of the terms, not of dx (which
-    cancels, e.g. when one key dominates its row);
-  * the float32 row sum, relative to sum |dy_k| y_k <= max|dy|."""
-  s = abs(1.0 if case.scale is None else case.scale)
-  y = np.asarray(y64, np.float64)
-  c = oracle.as_f64(cot)
-  if c.size == 0:
-    return 0.0
-  per_row = y.max(-1) * (np.abs(c).max(-1) + 2 * np.abs(c * y).sum(-1))
-  u = oracle.unit_roundoff(dtype)
-  return 2 * s * u * float(per_row.max()) + 16 * oracle.unit_roundoff(jnp.float32) * s * float(
-      np.abs(c).max())
-
-
-GRAD_ATOL_ULPS = 8.0
 
 # ---- forward -------------------------------------------------------------------------------
 
@@ -246,7 +137,7 @@ def test_grad(case, dtype, implementation, rng):
   exact, lowp = grad_expected(case, x, mask, cot)
   y64 = np_softmax(x, case.scale, case.causal, mask)
   oracle.check(g, exact, lowp, what=f"{case.id()} dx", dtype=dtype, atol_ulps=GRAD_ATOL_ULPS,
-               extra_atol=dx_atol(case, y64, cot, dtype))
+               extra_atol=dx_atol(case.scale, y64, cot, dtype))
 
 
 def test_forward_eager(implementation, rng):
@@ -342,16 +233,6 @@ def test_deterministic(implementation, rng):
                                   np.asarray(outs[0][1].astype(jnp.float32)))
 
 
-def test_forward_mode_unsupported(implementation, rng):
-  x = oracle.randn(rng, (3, 59), jnp.float32)
-  fn = lambda x: jaxgpu.softmax(x, implementation=implementation)
-  if implementation == "xla":
-    jax.jvp(fn, (x,), (x,))  # the reference is plain JAX
-    return
-  with pytest.raises(TypeError):
-    jax.jvp(fn, (x,), (x,))
-
-
 # ---- the mask is read in place ------------------------------------------------------------------
 
 
@@ -374,329 +255,14 @@ def test_mask_not_broadcast_in_memory(mask_shape, host_implementation, rng):
                              np_softmax(x, None, True, mask), atol=8e-3)
 
 
-# ---- implementation selection ---------------------------------------------------------------
-
-
-def _custom_call_targets(lowered) -> set[str]:
-  return set(re.findall(r'custom_call_target="([^"]+)"', lowered.compile().as_text()))
-
-
-def test_explicit_implementation_lowers_to_its_target(implementation, rng):
-  x = oracle.randn(rng, (5, 3), jnp.float32)
-  mask = jnp.asarray(rng.random((3,)) > 0.5)
-  fn = lambda x: jaxgpu.softmax(x, mask=mask, implementation=implementation)
-  targets = _custom_call_targets(jax.jit(fn).lower(x))
-  grad_targets = _custom_call_targets(jax.jit(jax.grad(lambda x: fn(x).sum())).lower(x))
-  if implementation == "xla":
-    assert not any(t.startswith("jaxgpu_") for t in targets | grad_targets), targets
-  else:
-    assert f"jaxgpu_softmax_fwd_{implementation}" in targets, targets
-    assert f"jaxgpu_softmax_bwd_{implementation}" in grad_targets, grad_targets
-
-
-def test_default_implementation_is_the_platform_kernel(rng):
-  x = oracle.randn(rng, (17, 59), jnp.bfloat16)
-  targets = _custom_call_targets(jax.jit(lambda x: jaxgpu.softmax(x, is_causal=True)).lower(x))
-  assert "jaxgpu_softmax_fwd" in targets, targets
-  platform = "cuda" if HAS_CUDA else "cpu"
-  a = jax.jit(lambda x: jaxgpu.softmax(x, is_causal=True))(x)
-  b = jax.jit(lambda x: jaxgpu.softmax(x, is_causal=True, implementation=platform))(x)
-  np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
-                                np.asarray(b.astype(jnp.float32)))
-
-
-# ---- vmap ----------------------------------------------------------------------------------
-
-B = 3
-
-VMAP_CASE = Case((4, 17, 64), scale=0.5, causal=True, mask=(4, 17, 64))
-# (id, x axis, mask axis, mask shape per example): the mask batched or not, and small.
-VMAP_AXES = [
-    ("x0", 0, None, (17, 64)),
-    ("x1", 1, None, (4, 1, 64)),
-    ("x-1-nomask", -1, None, None),
-    ("mask0-only", None, 0, (4, 17, 64)),
-    ("mask1-only-small", None, 1, (1, 17, 1)),
-    ("x0-mask0", 0, 0, (4, 1, 64)),
-    ("x2-mask-1", 2, -1, (17, 64)),
-]
-
-
-def _vmap_inputs(rng, x_axis, m_axis, m_shape, dtype):
-  def insert(shape, axis):
-    if axis is None:
-      return shape
-    shape = list(shape)
-    shape.insert(axis % (len(shape) + 1), B)
-    return tuple(shape)
-  x = make_x(rng, VMAP_CASE, dtype, insert(VMAP_CASE.shape, x_axis))
-  mask = None if m_shape is None else make_mask(rng, VMAP_CASE, insert(m_shape, m_axis))
-  return x, mask
-
-
-def _vmapped(fn, x_axis, m_axis, has_mask):
-  if has_mask:
-    return jax.vmap(lambda x, m: fn(x, m), in_axes=(x_axis, m_axis))
-  return jax.vmap(lambda x, m: fn(x), in_axes=(x_axis, None))
-
-
-def _per_example_oracle(x, mask, x_axis, m_axis):
-  out = []
-  for b in range(B):
-    xb = x if x_axis is None else np.take(np.asarray(x), b, axis=x_axis)
-    mb = mask if (mask is None or m_axis is None) else np.take(np.asarray(mask), b, axis=m_axis)
-    out.append(np_softmax(xb, VMAP_CASE.scale, VMAP_CASE.causal, mb))
-  return np.stack(out)
-
-
-@pytest.mark.parametrize("name,x_axis,m_axis,m_shape", VMAP_AXES, ids=[v[0] for v in VMAP_AXES])
-def test_vmap(name, x_axis, m_axis, m_shape, implementation, rng):
-  dtype = DTYPES[len(name) % 3]
-  x, mask = _vmap_inputs(rng, x_axis, m_axis, m_shape, dtype)
-  f = _vmapped(kernel_fn(implementation, VMAP_CASE), x_axis, m_axis, mask is not None)
-  y = jax.jit(f)(x, mask)
-  assert y.shape == (B,) + VMAP_CASE.shape
-  lowp = jax.jit(_vmapped(ref_fn(VMAP_CASE), x_axis, m_axis, mask is not None))(x, mask)
-  oracle.check(y, _per_example_oracle(x, mask, x_axis, m_axis), lowp, what=f"vmap {name}",
-               dtype=dtype)
-
-
-@pytest.mark.parametrize("name,x_axis,m_axis,m_shape",
-                         [v for v in VMAP_AXES if v[1] is not None],
-                         ids=[v[0] for v in VMAP_AXES if v[1] is not None])
-def test_vmap_of_grad(name, x_axis, m_axis, m_shape, implementation, rng):
-  """Per-example gradients, the mask batched or not."""
-  dtype = DTYPES[(len(name) + 1) % 3]
-  x, mask = _vmap_inputs(rng, x_axis, m_axis, m_shape, dtype)
-  cot = oracle.randn(rng, (B,) + VMAP_CASE.shape, dtype).astype(jnp.float32)
-
-  def per_example(fn):
-    g = jax.grad(lambda x, m, c: loss(fn, x, m, c))
-    return jax.vmap(g, in_axes=(x_axis, m_axis if mask is not None else None, 0))
-
-  got = jax.jit(per_example(kernel_fn(implementation, VMAP_CASE)))(x, mask, cot)
-  assert got.shape == x.shape[:0] + ((B,) + VMAP_CASE.shape)
-  lowp = jax.jit(per_example(ref_fn(VMAP_CASE)))(x, mask, cot)
-  with oracle.x64():
-    exact = oracle.as_f64(jax.jit(per_example(ref_fn(VMAP_CASE)))(to64(x), mask, to64(cot)))
-  oracle.check(got, exact, lowp, what=f"vmap(grad) {name}", dtype=dtype,
-               atol_ulps=GRAD_ATOL_ULPS,
-               extra_atol=dx_atol(VMAP_CASE, _per_example_oracle(x, mask, x_axis, m_axis), cot,
-                                  dtype))
-
-
-def test_grad_of_nested_vmap(implementation, rng):
-  """vmap(vmap) with the mask batched by the outer vmap only, and its gradient."""
-  case = Case((5, 17), causal=False, scale=2.0)
-  x = oracle.randn(rng, (2, 5, 3, 17), jnp.float16)    # outer axis 0, inner axis 1
-  mask = jnp.asarray(rng.random((2, 17)) > 0.3)         # outer only
-  cot = oracle.randn(rng, (2, 3, 5, 17), jnp.float16).astype(jnp.float32)
-
-  def forward(fn, x, m):
-    inner = jax.vmap(lambda x, m: fn(x, m), in_axes=(1, None))
-    return jax.vmap(inner, in_axes=(0, 0))(x, m)
-
-  got = jax.jit(lambda x, m: forward(kernel_fn(implementation, case), x, m))(x, mask)
-  want = np.stack([np.stack([np_softmax(np.asarray(x)[o, :, i], 2.0, False, np.asarray(mask)[o])
-                             for i in range(3)]) for o in range(2)])
-  lowp = forward(ref_fn(case), x, mask)
-  oracle.check(got, want, lowp, what="vmap(vmap)", dtype=jnp.float16)
-
-  loss_fn = lambda fn, x, m, c: jnp.sum(forward(fn, x, m).astype(jnp.float32) * c)
-  g = jax.jit(jax.grad(lambda x, m, c: loss_fn(kernel_fn(implementation, case), x, m, c)))(
-      x, mask, cot)
-  exact, lowp = grad_expected(case, x, mask, cot, loss_fn=loss_fn)
-  oracle.check(g, exact, lowp, what="grad(vmap(vmap))", dtype=jnp.float16,
-               atol_ulps=GRAD_ATOL_ULPS, extra_atol=dx_atol(case, want, cot, jnp.float16))
-
-
-# ---- sharding on 8 fake CPU devices -----------------------------------------------------------
-
-
-SHARD_CASE = Case((8, 4, 16, 64), scale=0.5, causal=True, mask=(8, 1, 16, 64))
-
-# (id, x spec, mask spec, case, collectives allowed in fwd/bwd)
-SHARDINGS = [
-    ("rows", P("a", "b", None, None), P("a", None, None, None), SHARD_CASE, False),
-    ("rows-T-nocausal", P("a", None, "b", None), P("a", None, "b", None),
-     dataclasses.replace(SHARD_CASE, causal=False), False),
-    ("rows-small-mask", P(("a", "b"), None, None, None), P(),
-     dataclasses.replace(SHARD_CASE, mask=(16, 64)), False),
-    ("S-sharded", P("a", None, None, "b"), P(None, None, None, "b"), SHARD_CASE, True),
-    ("T-sharded-causal", P("a", None, "b", None), P(None, None, "b", None), SHARD_CASE, True),
-]
-
-
-# Every layout on an Auto mesh; the row and the causal-T layouts on an Explicit one too.
-SHARDING_PARAMS = [pytest.param(*s, "auto", id=f"{s[0]}-auto") for s in SHARDINGS] + [
-    pytest.param(*s, "explicit", id=f"{s[0]}-explicit") for s in SHARDINGS
-    if s[0] in ("rows", "T-sharded-causal")]
-
-
-@pytest.mark.parametrize("name,x_spec,m_spec,case,gathers,axis_type", SHARDING_PARAMS)
-def test_sharded(name, x_spec, m_spec, case, gathers, axis_type, host_implementation,
-                 cpu_devices, rng):
-  """Row sharding: no collective forward or backward, outputs keep x's sharding. A sharded
-  S (and T under the causal mask) is gathered: correct, with a collective."""
-  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
-  x = make_x(rng, case, jnp.bfloat16)
-  mask = make_mask(rng, case)
-  cot = oracle.randn(rng, x.shape, jnp.bfloat16).astype(jnp.float32)
-  fn = kernel_fn(host_implementation, case)
-
-  def run():
-    xs = jax.device_put(x, NamedSharding(mesh, x_spec))
-    ms = jax.device_put(mask, NamedSharding(mesh, m_spec))
-    cs = jax.device_put(cot, NamedSharding(mesh, x_spec))
-    fwd = jax.jit(fn)
-    bwd = jax.jit(jax.grad(lambda x, m, c: loss(fn, x, m, c)))
-    return (fwd(xs, ms), bwd(xs, ms, cs), fwd.lower(xs, ms).compile().as_text(),
-            bwd.lower(xs, ms, cs).compile().as_text())
-
-  y, g, fwd_hlo, bwd_hlo = oracle.run_on_mesh(mesh, axis_type, run)
-  if not gathers:
-    assert oracle.collectives(fwd_hlo) == set(), oracle.collectives(fwd_hlo)
-    assert oracle.collectives(bwd_hlo) == set(), oracle.collectives(bwd_hlo)
-    assert oracle.spec_of(y) == tuple(x_spec) + (None,) * (4 - len(tuple(x_spec))), y.sharding
-    assert oracle.spec_of(g) == oracle.spec_of(y), g.sharding
-  elif host_implementation != "xla":
-    assert oracle.collectives(fwd_hlo), "expected a gather of the sharded axis"
-  if axis_type == "explicit":
-    assert jax.typeof(g).sharding.spec == jax.typeof(y).sharding.spec
-  oracle.check(y, np_softmax(x, case.scale, case.causal, mask),
-               jax.jit(ref_fn(case))(x, mask), what=f"sharded {name}", dtype=jnp.bfloat16)
-  exact, lowp = grad_expected(case, x, mask, cot)
-  y64 = np_softmax(x, case.scale, case.causal, mask)
-  oracle.check(g, exact, lowp, what=f"sharded grad {name}", dtype=jnp.bfloat16,
-               atol_ulps=GRAD_ATOL_ULPS, extra_atol=dx_atol(case, y64, cot, jnp.bfloat16))
-
-
-def test_sharded_rank1_and_replicated(host_implementation, cpu_devices, rng):
-  mesh = oracle.mesh_4x2(cpu_devices, "auto")
-  x = oracle.randn(rng, (64,), jnp.float32)
-  mask = jnp.asarray(rng.random((64,)) > 0.3)
-  want = np_softmax(x, None, False, mask)
-  for spec in (P(), P(("a", "b"))):
-    xs = jax.device_put(x, NamedSharding(mesh, spec))
-    y = jax.jit(lambda x, m: jaxgpu.softmax(x, mask=m, implementation=host_implementation))(
-        xs, mask)
-    oracle.check(y, want, jnp_softmax(x, None, False, mask), what=f"rank-1 {spec}",
-                 dtype=jnp.float32)
-
-
-def test_shard_map(host_implementation, cpu_devices, rng):
-  """Inside shard_map (rows split 8 ways, the mask split with them): forward, grad of the
-  shard_map and grad inside it."""
-  mesh = jax.make_mesh((4, 2), ("a", "b"), axis_types=(AxisType.Auto,) * 2,
-                       devices=cpu_devices)
-  case = Case((8, 3, 17, 59), scale=0.5, causal=True, mask=(8, 1, 17, 59))
-  x = make_x(rng, case, jnp.bfloat16)
-  mask = make_mask(rng, case)
-  cot = oracle.randn(rng, x.shape, jnp.bfloat16).astype(jnp.float32)
-  rows = P(("a", "b"))
-
-  def sharded(fn):
-    return shard_map(fn, mesh=mesh, in_specs=(rows, rows), out_specs=rows)
-
-  fn = kernel_fn(host_implementation, case)
-  y = jax.jit(sharded(fn))(x, mask)
-  oracle.check(y, np_softmax(x, 0.5, True, mask), jnp_softmax(x, 0.5, True, mask),
-               what="shard_map forward", dtype=jnp.bfloat16)
-  exact, lowp = grad_expected(case, x, mask, cot)
-  atol = dx_atol(case, np_softmax(x, 0.5, True, mask), cot, jnp.bfloat16)
-  g = jax.jit(jax.grad(lambda x, m, c: loss(sharded(fn), x, m, c)))(x, mask, cot)
-  oracle.check(g, exact, lowp, what="grad of shard_map", dtype=jnp.bfloat16,
-               atol_ulps=GRAD_ATOL_ULPS, extra_atol=atol)
-  inner = shard_map(jax.grad(lambda x, m, c: loss(fn, x, m, c)), mesh=mesh,
-                    in_specs=(rows, rows, rows), out_specs=rows)
-  g = jax.jit(inner)(x, mask, cot)
-  oracle.check(g, exact, lowp, what="grad inside shard_map", dtype=jnp.bfloat16,
-               atol_ulps=GRAD_ATOL_ULPS, extra_atol=atol)
-
-
-def test_pmap(host_implementation, cpu_devices, rng):
-  """pmap over 4 CPU devices with a shared (broadcast) mask: forward and gradients."""
-  case = Case((4, 3, 17, 59), causal=True, mask=(17, 59))
-  x = make_x(rng, case, jnp.float32)
-  mask = make_mask(rng, case)
-  cot = oracle.randn(rng, x.shape, jnp.float32)
-  fn = kernel_fn(host_implementation, case)
-  y = jax.pmap(fn, in_axes=(0, None), devices=cpu_devices[:4])(x, mask)
-  oracle.check(y, np_softmax(x, None, True, mask), jnp_softmax(x, None, True, mask),
-               what="pmap forward", dtype=jnp.float32)
-  g = jax.pmap(jax.grad(lambda x, m, c: loss(fn, x, m, c)), in_axes=(0, None, 0),
-               devices=cpu_devices[:4])(x, mask, cot)
-  exact, lowp = grad_expected(case, x, mask, cot)
-  oracle.check(g, exact, lowp, what="pmap grad", dtype=jnp.float32, atol_ulps=GRAD_ATOL_ULPS,
-               extra_atol=dx_atol(case, np_softmax(x, None, True, mask), cot, jnp.float32))
-
-
-# ---- bad input ------------------------------------------------------------------------------
-
-BAD_INPUTS = [
-    ("x-scalar", lambda: dict(x=jnp.float32(1.0)), ValueError, r"\bx\b.*rank"),
-    ("x-int32", lambda: dict(x=jnp.ones((2, 3), jnp.int32)), TypeError, r"\bx\b.*dtype"),
-    ("x-float64", lambda: dict(x=np.ones((2, 3), np.float64)), TypeError, r"\bx\b.*dtype"),
-    ("x-string", lambda: dict(x="abc"), TypeError, r"\bx\b"),
-    ("mask-not-broadcastable", lambda: dict(x=jnp.ones((2, 3)), mask=jnp.ones((2,), bool)),
-     ValueError, r"mask.*broadcastable"),
-    ("mask-rank-too-high", lambda: dict(x=jnp.ones((2, 3)), mask=jnp.ones((1, 2, 3), bool)),
-     ValueError, r"mask.*broadcastable"),
-    ("mask-grows-x", lambda: dict(x=jnp.ones((1, 3)), mask=jnp.ones((2, 3), bool)),
-     ValueError, r"mask.*broadcastable"),
-    ("mask-int", lambda: dict(x=jnp.ones((2, 3)), mask=jnp.ones((2, 3), jnp.int32)),
-     TypeError, r"mask.*bool"),
-    ("mask-float", lambda: dict(x=jnp.ones((2, 3)), mask=jnp.ones((3,), jnp.float32)),
-     TypeError, r"mask.*bool"),
-    ("mask-string", lambda: dict(x=jnp.ones((2, 3)), mask="yes"), TypeError, r"mask"),
-    ("causal-rank1", lambda: dict(x=jnp.ones((3,)), is_causal=True), ValueError,
-     r"is_causal.*rank"),
-    ("causal-not-bool", lambda: dict(x=jnp.ones((2, 3)), is_causal="yes"), TypeError,
-     r"is_causal"),
-    ("causal-array", lambda: dict(x=jnp.ones((2, 3)), is_causal=jnp.array(True)), TypeError,
-     r"is_causal"),
-    ("scale-nan", lambda: dict(x=jnp.ones((2, 3)), scale=float("nan")), ValueError, r"\bscale\b"),
-    ("scale-inf", lambda: dict(x=jnp.ones((2, 3)), scale=float("inf")), ValueError, r"\bscale\b"),
-    ("scale-string", lambda: dict(x=jnp.ones((2, 3)), scale="big"), TypeError, r"\bscale\b"),
-    ("implementation-bogus", lambda: dict(x=jnp.ones((2, 3)), implementation="bogus"),
-     ValueError, r"implementation"),
-]
-
-
-@pytest.mark.parametrize("build,error,match", [b[1:] for b in BAD_INPUTS],
-                         ids=[b[0] for b in BAD_INPUTS])
-def test_bad_input(build, error, match):
-  kw = build()
-  with pytest.raises(error, match=match):
-    jaxgpu.softmax(**kw)
-  arrays = {k: v for k, v in kw.items()
-            if k in ("x", "mask") and isinstance(v, (jax.Array, np.ndarray))}
-  rest = {k: v for k, v in kw.items() if k not in arrays}
-  if arrays and all(jnp.dtype(a.dtype) != jnp.float64 for a in arrays.values()):
-    with pytest.raises(error, match=match):
-      jax.jit(lambda a: jaxgpu.softmax(**a, **rest))(arrays)
-
-
-def test_traced_scale_rejected():
-  with pytest.raises(TypeError, match="scale"):
-    jax.jit(lambda x, s: jaxgpu.softmax(x, scale=s))(jnp.ones((2, 3)), 0.5)
-
-
-@pytest.mark.skipif(HAS_CUDA, reason="this machine has a CUDA backend")
-def test_cuda_without_gpu():
-  with pytest.raises(ValueError, match="implementation='cuda'"):
-    jaxgpu.softmax(jnp.ones((2, 3)), implementation="cuda")
-
-
 # ---- the handlers' own checks (a last line of defence: an error, never a crash) -------------
 
 
 def _raw_fwd(x, mask, out_shape, **attrs):
-  from jaxgpu import _ffi
   a = dict(scale=np.float32(1.0), causal=False, has_mask=mask is not None,
            query_len=np.int64(1))
   a.update(attrs)
-  return jax.ffi.ffi_call(_ffi.target_name("jaxgpu_softmax_fwd", "cpu"), out_shape)(
+  return jax.ffi.ffi_call(SPECS["softmax"].op.target("fwd", "cpu"), out_shape)(
       x, jnp.zeros((0,), bool) if mask is None else mask, **a)
 
 
@@ -726,23 +292,16 @@ def test_handler_rejects_bad_buffers(build, match):
     jax.block_until_ready(jax.jit(build)(x))
 
 
-# ---- size 0 and input forms -------------------------------------------------------------------
+# ---- static options and input forms --------------------------------------------------------
 
 
-@pytest.mark.parametrize("shape,mask_shape,causal", [
-    ((0, 8), (8,), False), ((3, 0), None, False), ((0,), None, False),
-    ((2, 0, 5), (1, 0, 5), True), ((4, 0), (4, 1), True)], ids=str)
-def test_size_zero(shape, mask_shape, causal, implementation):
-  x = jnp.zeros(shape, jnp.bfloat16)
-  mask = None if mask_shape is None else jnp.ones(mask_shape, bool)
-  fn = lambda x: jaxgpu.softmax(x, is_causal=causal, mask=mask, implementation=implementation)
-  y = jax.jit(fn)(x)
-  assert y.shape == shape and y.dtype == x.dtype
-  g = jax.grad(lambda x: fn(x).astype(jnp.float32).sum())(x)
-  assert g.shape == shape
+def test_traced_scale_rejected():
+  with pytest.raises(TypeError, match="scale"):
+    jax.jit(lambda x, s: jaxgpu.softmax(x, scale=s))(jnp.ones((2, 3)), 0.5)
 
 
 def test_numpy_and_list_inputs(implementation, rng):
+  """A Python list mask is accepted like an array (numpy arrays: test_contract.py)."""
   x = np.asarray(rng.standard_normal((3, 59)), np.float32)
   mask = (rng.random(59) > 0.5).tolist()
   y = jaxgpu.softmax(x, mask=mask, implementation=implementation)
