@@ -1,0 +1,31 @@
+"""Gemma 2 and Gemma 3 (text) built from jaxgpu's ops.
+
+The same code runs jaxgpu's kernels (implementation=None) and the pure-JAX path a careful
+JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
+
+  config.py    Config: hyperparameters; presets gemma2_2b, gemma3_1b, gemma3_4b, tiny
+  params.py    init_params, param_shapes, check_params
+  model.py     forward, hidden_states, loss
+  sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
+"""
+
+from jaxgpu.models.gemma.config import Config
+from jaxgpu.models.gemma.model import forward, hidden_states, loss
+from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
+from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
+                                          shard_batch, shard_params)
+
+__all__ = [
+    "Config",
+    "batch_sharding",
+    "check_params",
+    "forward",
+    "hidden_states",
+    "init_params",
+    "loss",
+    "param_shapes",
+    "param_shardings",
+    "param_specs",
+    "shard_batch",
+    "shard_params",
+]

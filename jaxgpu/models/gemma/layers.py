@@ -1,0 +1,173 @@
+"""The pieces of a Gemma decoder layer, written once for both implementations.
+
+Every jaxgpu op is called with the caller's `implementation` (None: jaxgpu's kernels;
+'xla': jaxgpu's pure-JAX references, which XLA fuses). Attention is the one place where the
+'xla' path is not jaxgpu's reference: there it is what a careful JAX user writes without
+jaxgpu (`xla_attention`).
+
+Semantics follow Hugging Face transformers' Gemma2/Gemma3 (eager attention):
+  * embedding * sqrt(d_model), the factor rounded to the activation dtype first (HF casts
+    its embed_scale to the weights' dtype: sqrt(1152) is 34.0 in bfloat16);
+  * RMSNorm in float32 with the scale (1 + w), rounded to the input dtype after the scale;
+  * x -> pre-norm -> attention -> post-norm -> + residual -> pre-norm -> MLP -> post-norm
+    -> + residual, the residual adds in the activation dtype;
+  * q, k, v projections; Gemma 3: RMSNorm of every query and key head; RoPE with the
+    'half' (rotate_half) pairing at the layer's theta; logits * query_pre_attn_scalar^-0.5,
+    then Gemma 2's softcap c * tanh(logits / c), then the causal / sliding-window mask
+    (key j visible to query i when i - sliding_window < j <= i on local layers), GQA;
+  * MLP: down(gelu_tanh(gate(x)) * up(x)).
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+import jaxgpu
+from jaxgpu import _implementation
+from jaxgpu.models.gemma import sharding
+from jaxgpu.models.gemma.config import Config
+from jaxgpu.reference import attention as reference_attention
+
+_CUDNN_DTYPES = (jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+
+
+def rms_norm(x, weight, config: Config, implementation, residual=None):
+  """Gemma's RMSNorm (scale 1 + weight, statistics in float32) over the last axis; with a
+  residual, (y, h) where h = x + residual is the new residual stream (jaxgpu.rms_norm)."""
+  return jaxgpu.rms_norm(x, weight, residual=residual, eps=config.rms_eps, weight_offset=1.0,
+                         implementation=implementation)
+
+
+def embed(table, tokens):
+  """(B, T) int tokens -> (B, T, D) embeddings * sqrt(D), in the table's dtype."""
+  scale = jnp.asarray(math.sqrt(table.shape[1]), table.dtype)
+  return jnp.take(table, tokens, axis=0) * scale
+
+
+def rope(x, positions, config: Config, layer: int, implementation):
+  """x (B, T, heads, H) rotated at int32 positions (B, T) with the layer's theta ('half'
+  layout, HF's rotate_half).
+
+  With linear scaling (Gemma 3 4b's global layers) the angle is position / factor *
+  inv_freq: jaxgpu.rope takes integer positions only, so those layers compute the rotation
+  here in float32 as HF does (float32 angles, which lose accuracy at large positions the
+  way HF's do); every other layer uses jaxgpu.rope."""
+  theta, scale = config.rope_theta(layer), config.rope_scale(layer)
+  if scale == 1.0:
+    return jaxgpu.rope(x, positions, theta=theta, layout="half", implementation=implementation)
+  h = x.shape[-1]
+  inv_freq = (1.0 / theta ** (np.arange(0, h, 2, dtype=np.float64) / h) / scale)
+  angle = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq, jnp.float32)
+  cos, sin = jnp.cos(angle)[..., None, :], jnp.sin(angle)[..., None, :]
+  xf = x.astype(jnp.float32)
+  a, b = xf[..., :h // 2], xf[..., h // 2:]
+  return jnp.concatenate([a * cos - b * sin, b * cos + a * sin], axis=-1).astype(x.dtype)
+
+
+def xla_attention(q, k, v, *, scale, is_causal=False, window=None, softcap=None,
+                  q_segment_ids=None, kv_segment_ids=None):
+  """The 'xla' path's attention: what a careful JAX user writes without jaxgpu.
+
+  * With a logit softcap (Gemma 2), which neither jax.nn.dot_product_attention nor cuDNN
+    can apply: the plain einsum / float32 softmax formulation
+    (jaxgpu.reference.attention.dot_product_attention, which XLA fuses).
+  * Otherwise jax.nn.dot_product_attention (causal, window, segment ids as its boolean
+    mask; GQA without repeating k and v). On a GPU with 16-bit inputs and more than one
+    query per row it asks for cuDNN's fused kernel (implementation='cudnn'), the fastest
+    choice where cuDNN supports the options, and uses jax.nn's XLA implementation where
+    cuDNN refuses them at trace time. A single query per row (decoding) is a
+    matrix-vector product, which XLA's implementation runs at memory speed.
+
+  q (B, T, N, H); k, v (B, S, K, H); segment ids (B, T) / (B, S) int32 or None. Returns
+  (B, T, N, H) in q's dtype.
+  """
+  if softcap is not None:
+    return reference_attention.dot_product_attention(
+        q, k, v, scale=scale, is_causal=is_causal, local_window_size=window,
+        logit_softcap=softcap, q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  mask = None
+  if q_segment_ids is not None:
+    mask = q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :]
+  kw = dict(mask=mask, scale=scale, is_causal=is_causal, local_window_size=window)
+  if (jax.default_backend() == "gpu" and jnp.dtype(q.dtype) in _CUDNN_DTYPES
+      and q.shape[1] > 1):
+    try:
+      return jax.nn.dot_product_attention(q, k, v, implementation="cudnn", **kw)
+    except (ValueError, NotImplementedError, RuntimeError, TypeError):
+      pass  # options or shapes cuDNN does not take: jax.nn's XLA implementation below
+  return jax.nn.dot_product_attention(q, k, v, implementation="xla", **kw)
+
+
+def attention(q, k, v, *, config: Config, layer: int, implementation, is_causal: bool,
+              windowed: bool, q_segment_ids=None, kv_segment_ids=None):
+  """Gemma attention of q (B, T, N, H) over k, v (B, S, K, H): scale
+  query_pre_attn_scalar^-0.5, the config's softcap, causal (top-left aligned) and, when
+  `windowed`, the sliding window (keys i - sliding_window < j <= i). jaxgpu's fused kernel,
+  or `xla_attention` on the 'xla' path."""
+  kw = dict(scale=config.query_pre_attn_scalar ** -0.5, is_causal=is_causal,
+            softcap=config.attn_logit_softcap,
+            window=(config.sliding_window - 1, 0) if windowed else None,
+            q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids)
+  if _implementation.resolve(implementation) == "xla":
+    return xla_attention(q, k, v, **kw)
+  return jaxgpu.dot_product_attention(
+      q, k, v, scale=kw["scale"], is_causal=is_causal, local_window_size=kw["window"],
+      logit_softcap=kw["softcap"], q_segment_ids=q_segment_ids, kv_segment_ids=kv_segment_ids,
+      implementation=implementation)
+
+
+def mlp(p, y, config: Config, implementation, mesh=None):
+  """down(gelu_tanh(y @ gate) * (y @ up)) for y (B, T, D)."""
+  ffn = sharding.MODEL if sharding.ffn_sharded(config, mesh) else None
+  batch = sharding.batch_axis(mesh)
+  gate = sharding.constrain(jnp.einsum("btd,df->btf", y, p["gate"]), mesh, batch, None, ffn)
+  up = sharding.constrain(jnp.einsum("btd,df->btf", y, p["up"]), mesh, batch, None, ffn)
+  a = jaxgpu.geglu(gate, up, approximate=True, implementation=implementation)
+  return jnp.einsum("btf,fd->btd", a, p["down"])
+
+
+def block(p, h, d, positions, *, attend, config: Config, layer: int, implementation,
+          mesh=None):
+  """One decoder layer on the residual stream h + d.
+
+  The stream is carried as two terms so that each add is fused into the norm that follows
+  it (jaxgpu.rms_norm(x, w, residual=r) returns rms_norm(x + r) and x + r in one pass): the
+  previous layer's post-MLP-norm output d is added to h by this layer's pre-attention norm,
+  and the post-attention-norm output by the pre-MLP norm. The sums are rounded once to the
+  activation dtype, as HF's `residual + hidden_states`. The post-norms themselves take no
+  residual (HF normalizes the sublayer output alone, then adds).
+
+  Args:
+    p: the layer's parameters. h: (B, T, D) the residual stream so far. d: (B, T, D) the
+      previous layer's output still to be added, or None (the first layer).
+    positions: (B, T) int32, the tokens' positions (RoPE).
+    attend: a function (q (B,T,N,H), k, v (B,T,K,H), post-RoPE) -> (o (B,T,N,H), extra):
+      the attention itself (self-attention in training, the KV cache in decoding).
+
+  Returns:
+    (h, d, extra): the new stream h + d and whatever `attend` returned beside o.
+  """
+  impl = implementation
+  if d is None:
+    y = rms_norm(h, p["attn_pre_norm"], config, impl)
+  else:
+    y, h = rms_norm(d, p["attn_pre_norm"], config, impl, residual=h)
+  q = jnp.einsum("btd,dnh->btnh", y, p["q"])
+  k = jnp.einsum("btd,dkh->btkh", y, p["k"])
+  v = jnp.einsum("btd,dkh->btkh", y, p["v"])
+  if config.qk_norm:
+    q = rms_norm(q, p["q_norm"], config, impl)
+    k = rms_norm(k, p["k_norm"], config, impl)
+  q = rope(q, positions, config, layer, impl)
+  k = rope(k, positions, config, layer, impl)
+  heads = sharding.MODEL if sharding.heads_sharded(config, mesh) else None
+  q = sharding.constrain(q, mesh, sharding.batch_axis(mesh), None, heads, None)
+  o, extra = attend(q, k, v)
+  a = rms_norm(jnp.einsum("btnh,nhd->btd", o, p["o"]), p["attn_post_norm"], config, impl)
+  y, h = rms_norm(a, p["mlp_pre_norm"], config, impl, residual=h)
+  d = rms_norm(mlp(p, y, config, impl, mesh), p["mlp_post_norm"], config, impl)
+  return h, d, extra

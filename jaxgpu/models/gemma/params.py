@@ -1,0 +1,107 @@
+"""The parameter pytree of a Gemma model: its shapes, a random initialization, a check.
+
+Layout (shared with the checkpoint loader; D = d_model, N = n_heads, K = n_kv_heads,
+H = head_dim, F = ffn_dim, V = vocab_size):
+
+  {"embed": (V, D),                 # HF model.embed_tokens.weight, tied to the output
+   "final_norm": (D,),              # HF model.norm.weight
+   "layers": [{                     # one dict per layer, in order
+       "attn_pre_norm", "attn_post_norm", "mlp_pre_norm", "mlp_post_norm": (D,),
+       "q": (D, N, H), "k": (D, K, H), "v": (D, K, H), "o": (N, H, D),
+       "q_norm", "k_norm": (H,),    # Gemma 3 only (config.qk_norm)
+       "gate", "up": (D, F), "down": (F, D)}, ...]}
+
+Norm weights are stored as HF stores them: the model scales by (1 + w).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from jaxgpu.models.gemma.config import Config
+
+NORMS = ("attn_pre_norm", "attn_post_norm", "mlp_pre_norm", "mlp_post_norm")
+
+
+def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
+  """{name: shape} of one layer's parameters."""
+  d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
+                   config.ffn_dim)
+  shapes = {name: (d,) for name in NORMS}
+  shapes.update(q=(d, n, h), k=(d, k, h), v=(d, k, h), o=(n, h, d),
+                gate=(d, f), up=(d, f), down=(f, d))
+  if config.qk_norm:
+    shapes.update(q_norm=(h,), k_norm=(h,))
+  return shapes
+
+
+def param_shapes(config: Config) -> dict:
+  """The parameter pytree with each leaf replaced by its shape tuple."""
+  return {"embed": (config.vocab_size, config.d_model), "final_norm": (config.d_model,),
+          "layers": [layer_shapes(config) for _ in range(config.n_layers)]}
+
+
+def init_params(config: Config, key, dtype=jnp.bfloat16) -> dict:
+  """Random parameters as Hugging Face initializes Gemma: every matrix (and the embedding)
+  normal with std 0.02 (HF initializer_range), every norm weight 0 (a scale of 1 + 0).
+
+  Args:
+    config: the model.
+    key: a jax.random key.
+    dtype: the parameters' dtype (bfloat16 by default; float32 for exact CPU tests). The
+      activations take this dtype too.
+
+  Returns:
+    The parameter pytree (see the module docstring), every leaf of `dtype`.
+  """
+  return _init(config, key, jnp.dtype(dtype))
+
+
+@functools.partial(jax.jit, static_argnames=("config", "dtype"))
+def _init(config: Config, key, dtype):
+  shapes = param_shapes(config)
+  leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
+  # One normal draw per distinct matrix shape (all layers' q together, ...): a few random
+  # number generators to compile instead of one per leaf.
+  distinct = sorted({s for s in leaves if len(s) > 1})
+  keys = dict(zip(distinct, jax.random.split(key, len(distinct))))
+  draws = {s: iter(0.02 * jax.random.normal(keys[s], (leaves.count(s),) + s, jnp.float32))
+           for s in distinct}
+  out = [jnp.zeros(s, dtype) if len(s) == 1 else next(draws[s]).astype(dtype) for s in leaves]
+  return jax.tree.unflatten(treedef, out)
+
+
+def check_params(params, config: Config) -> None:
+  """Raises ValueError naming the first parameter whose presence, shape or dtype is wrong
+  (every leaf must have the dtype of params["embed"])."""
+  if not isinstance(params, dict) or "embed" not in params:
+    raise ValueError("params: expected a dict with 'embed', 'final_norm' and 'layers'")
+  dtype = params["embed"].dtype
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"params['embed']: expected a float dtype, got {dtype}")
+  expected = param_shapes(config)
+  layers = params.get("layers")
+  if not isinstance(layers, (list, tuple)) or len(layers) != config.n_layers:
+    got = len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__
+    raise ValueError(f"params['layers']: expected a list of {config.n_layers} layers, got {got}")
+
+  def check(path, a, shape):
+    if a is None:
+      raise ValueError(f"params{path}: missing")
+    if tuple(a.shape) != shape:
+      raise ValueError(f"params{path}: expected shape {shape}, got {tuple(a.shape)}")
+    if a.dtype != dtype:
+      raise ValueError(f"params{path}: expected dtype {dtype} (that of params['embed']), "
+                       f"got {a.dtype}")
+
+  for name in ("embed", "final_norm"):
+    check(f"[{name!r}]", params.get(name), expected[name])
+  for i, (layer, shapes) in enumerate(zip(layers, expected["layers"])):
+    extra = set(layer) - set(shapes)
+    if extra:
+      raise ValueError(f"params['layers'][{i}]: unexpected entries {sorted(extra)}")
+    for name, shape in shapes.items():
+      check(f"['layers'][{i}][{name!r}]", layer.get(name), shape)
