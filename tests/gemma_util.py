@@ -1,6 +1,10 @@
-"""Helpers of the Gemma model tests: random parameters that exercise every path."""
+"""Helpers of the Gemma model tests: random parameters that exercise every path, and a
+reader of the collectives in a compiled HLO module (kind, operand shapes, device groups)."""
 
 from __future__ import annotations
+
+import dataclasses
+import re
 
 import jax
 import jax.numpy as jnp
@@ -43,3 +47,90 @@ def cast(tree, dtype):
 
 def max_abs(a, b) -> float:
   return float(jnp.max(jnp.abs(jnp.asarray(a, jnp.float32) - jnp.asarray(b, jnp.float32))))
+
+
+# ---- collectives of a compiled HLO module ---------------------------------------------------
+
+KINDS = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute",
+         "collective-broadcast", "ragged-all-to-all")
+
+
+@dataclasses.dataclass(frozen=True)
+class Collective:
+  kind: str
+  shapes: tuple          # the result's array shapes (several for a combined all-reduce)
+  groups: frozenset      # frozenset of frozensets of device (partition) ids, or None
+  line: str
+
+
+def _iota(spec: str, count: int) -> np.ndarray:
+  """'[4,2]T(1,0)' (or '[8]') -> the device ids it lists, in order."""
+  m = re.fullmatch(r"\[([\d,]+)\](?:T\(([\d,]+)\))?", spec)
+  if not m:
+    raise ValueError(f"unknown iota device list {spec!r}")
+  dims = [int(x) for x in m.group(1).split(",")]
+  ids = np.arange(int(np.prod(dims))).reshape(dims)
+  if m.group(2):
+    ids = ids.transpose([int(x) for x in m.group(2).split(",")])
+  ids = ids.reshape(-1)
+  assert ids.size == count, spec
+  return ids
+
+
+def _groups(line: str):
+  """The device groups of a collective's replica_groups, in any of HLO's three spellings."""
+  m = re.search(r"replica_groups=\{((?:\{[\d,]*\},?)*)\}", line)
+  if m:
+    return frozenset(frozenset(int(x) for x in g.split(",") if x)
+                     for g in re.findall(r"\{([\d,]*)\}", m.group(1)))
+  m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=(\[[\d,]+\](?:T\([\d,]+\))?)", line)
+  if m:
+    g, s = int(m.group(1)), int(m.group(2))
+    ids = _iota(m.group(3), g * s).reshape(g, s)
+    return frozenset(frozenset(int(x) for x in row) for row in ids)
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\]"
+                r"(?:, device_ids=\((\[[\d,]+\](?:T\([\d,]+\))?)\))? \{([^}]*)\}", line)
+  if m:
+    axes = re.findall(r"'(\w+)'=(\d+)", m.group(1))
+    names = [a for a, _ in axes]
+    sizes = [int(s) for _, s in axes]
+    count = int(np.prod(sizes))
+    ids = _iota(m.group(2), count) if m.group(2) else np.arange(count)
+    ids = ids.reshape(sizes)
+    over = re.findall(r"'([^']+)'", m.group(3))
+    if any(a not in names for a in over):
+      raise ValueError(f"unknown mesh axes in replica_groups: {line[:300]}")
+    inner = [names.index(a) for a in over]
+    outer = [i for i in range(len(names)) if i not in inner]
+    ids = ids.transpose(outer + inner).reshape(-1, int(np.prod([sizes[i] for i in inner])))
+    return frozenset(frozenset(int(x) for x in row) for row in ids)
+  if "replica_groups={}" in line or "replica_groups" not in line:
+    return None
+  raise ValueError(f"unknown replica_groups: {line[:300]}")
+
+
+def collectives(hlo_text: str) -> list[Collective]:
+  """Every collective of a compiled HLO module (the async '-start' forms once)."""
+  out = []
+  for line in hlo_text.splitlines():
+    if " = " not in line:
+      continue
+    rhs = " " + line.split(" = ", 1)[1]
+    for kind in KINDS:
+      m = re.search(rf"\s{kind}(?:-start)?\(", rhs)
+      if m:
+        shapes = tuple(tuple(int(x) for x in dims.split(",") if x)
+                       for dims in re.findall(r"\w+\[([\d,]*)\]", rhs[:m.start()]))
+        out.append(Collective(kind, shapes, _groups(line), line.strip()))
+        break
+  return out
+
+
+def mesh_groups(mesh, axis: str) -> frozenset:
+  """The device-id groups of a collective over mesh axis `axis` (ids are positions in the
+  mesh's flattened device order, as HLO numbers the partitions)."""
+  names = list(mesh.axis_names)
+  ids = np.arange(mesh.devices.size).reshape(mesh.devices.shape)
+  i = names.index(axis)
+  ids = np.moveaxis(ids, i, -1).reshape(-1, mesh.devices.shape[i])
+  return frozenset(frozenset(int(x) for x in row) for row in ids)

@@ -6,6 +6,7 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   config.py    Config: hyperparameters; presets gemma2_2b, gemma3_1b, gemma3_4b, tiny
   params.py    init_params, param_shapes, check_params
   model.py     forward, hidden_states, loss
+  train.py     AdamW, init_opt_state, opt_state_specs, train_step
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
 """
 
@@ -14,18 +15,23 @@ from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
                                           shard_batch, shard_params)
+from jaxgpu.models.gemma.train import AdamW, init_opt_state, opt_state_specs, train_step
 
 __all__ = [
+    "AdamW",
     "Config",
     "batch_sharding",
     "check_params",
     "forward",
     "hidden_states",
+    "init_opt_state",
     "init_params",
     "loss",
+    "opt_state_specs",
     "param_shapes",
     "param_shardings",
     "param_specs",
     "shard_batch",
     "shard_params",
+    "train_step",
 ]

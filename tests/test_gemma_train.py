@@ -1,0 +1,173 @@
+"""Training the Gemma model: the AdamW update, a few steps that lower the loss, and the
+training step sharded over a ("data", "model") mesh of 8 fake CPU devices (the loss equals
+the 1-device loss; the compiled step has only the collectives data and tensor parallelism
+need)."""
+
+from __future__ import annotations
+
+import collections
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import PartitionSpec as P
+
+from jaxgpu.models import gemma
+from jaxgpu.models.gemma import sharding
+
+import gemma_util as U
+from conftest import HAS_CUDA
+
+KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+
+
+def test_adamw_update_matches_the_formula():
+  """Two steps of adamw_update against numpy: bias-corrected moments, decoupled weight decay
+  on matrices only, global-norm clipping, a schedule."""
+  rng = np.random.default_rng(0)
+  params = {"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+            "n": jnp.asarray(rng.standard_normal((4,)), jnp.float32)}
+  grads = [{"w": jnp.asarray(rng.standard_normal((3, 4)), jnp.float32),
+            "n": jnp.asarray(rng.standard_normal((4,)), jnp.float32)} for _ in range(2)]
+  opt = gemma.AdamW(learning_rate=lambda step: 0.1 / (1.0 + step), b1=0.8, b2=0.9, eps=1e-6,
+                    weight_decay=0.5, clip_norm=0.3)
+  state = gemma.init_opt_state(params)
+  p_np = {k: np.asarray(v, np.float64) for k, v in params.items()}
+  mu = {k: np.zeros_like(v) for k, v in p_np.items()}
+  nu = {k: np.zeros_like(v) for k, v in p_np.items()}
+  for step, g in enumerate(grads):
+    params, state, metrics = gemma.train.adamw_update(params, g, state, opt)
+    g_np = {k: np.asarray(v, np.float64) for k, v in g.items()}
+    norm = math.sqrt(sum(float(np.sum(v * v)) for v in g_np.values()))
+    lr = 0.1 / (1.0 + step)
+    for k in p_np:
+      gk = g_np[k] * min(1.0, 0.3 / norm)
+      mu[k] = 0.8 * mu[k] + 0.2 * gk
+      nu[k] = 0.9 * nu[k] + 0.1 * gk * gk
+      upd = mu[k] / (1 - 0.8 ** (step + 1)) / (np.sqrt(nu[k] / (1 - 0.9 ** (step + 1))) + 1e-6)
+      if p_np[k].ndim >= 2:
+        upd = upd + 0.5 * p_np[k]
+      p_np[k] = p_np[k] - lr * upd
+    assert abs(float(metrics["grad_norm"]) - norm) <= 1e-6 * norm
+    assert abs(float(metrics["lr"]) - lr) <= 1e-7
+  assert int(state["step"]) == 2
+  for k in p_np:
+    np.testing.assert_allclose(np.asarray(params[k]), p_np[k], rtol=2e-5, atol=2e-6)
+
+
+def counting_batch(config, b, t, seed):
+  """Rows of consecutive token ids (x, x + 1, ...): a rule a model can learn in a few steps."""
+  start = np.random.default_rng(seed).integers(0, config.vocab_size, (b, 1))
+  seq = (start + np.arange(t + 1)) % config.vocab_size
+  return {"tokens": jnp.asarray(seq[:, :-1], jnp.int32),
+          "targets": jnp.asarray(seq[:, 1:], jnp.int32)}
+
+
+@pytest.mark.parametrize("kernels", KERNELS)
+def test_a_few_train_steps_lower_the_loss(kernels):
+  c = gemma.Config.tiny(3)
+  params = U.random_params(c, 1, qk_gain=1.0)
+  state = gemma.init_opt_state(params)
+  opt = gemma.AdamW(learning_rate=1e-2, weight_decay=0.01, clip_norm=1.0)
+  batch = counting_batch(c, 8, 16, 2)
+  losses = []
+  for _ in range(12):
+    params, state, metrics = gemma.train_step(params, state, batch, config=c, optimizer=opt,
+                                              implementation=kernels, remat=True)
+    losses.append(float(metrics["loss"]))
+  assert all(np.isfinite(losses))
+  assert losses[-1] < 0.5 * losses[0], losses
+
+
+# ---- data + tensor parallelism on 8 CPU devices -------------------------------------------
+
+B, T = 8, 12      # T differs from head_dim (16) so no activation has a parameter's shape
+ALLOWED_KINDS = {"all-reduce", "reduce-scatter", "all-gather"}
+
+
+def local_shape(shape, spec, mesh) -> tuple:
+  spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  return tuple(n // (sharding.axis_size(mesh, a) if a else 1) for n, a in zip(shape, spec))
+
+
+def check_collectives(text, mesh, config):
+  """Only the collectives data and tensor parallelism need, and each the right one:
+    * kinds: all-reduce (and reduce-scatter / all-gather, which XLA may use in its place);
+      no all-to-all or collective-permute;
+    * groups: the "data" axis, the "model" axis, or all 8 devices (a replicated parameter's
+      gradient summed over batch rows and heads), nothing else;
+    * every parameter's gradient is all-reduced over "data" (its local size appears among
+      the operands of the all-reduces over "data" or all devices);
+    * no all-gather of a parameter that is sharded over "model", and no all-reduce over
+      "model" of a gradient that is sharded there (it would mean the partitioner replicated
+      a parameter that should stay split);
+    * with a model axis: the tensor-parallel all-reduce of the (B/data, T, D) activations.
+  """
+  found = U.collectives(text)
+  data, model = U.mesh_groups(mesh, "data"), U.mesh_groups(mesh, "model")
+  everything = frozenset([frozenset(range(mesh.devices.size))])
+  specs = jax.tree.leaves(gemma.param_specs(config, mesh), is_leaf=lambda s: isinstance(s, P))
+  shapes = jax.tree.leaves(gemma.param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
+  split = [(s, sp) for s, sp in zip(shapes, specs) if sharding.MODEL in tuple(sp)]
+  split_full = {s for s, _ in split}
+  split_local = {local_shape(s, sp, mesh) for s, sp in split}
+  model_size = sharding.axis_size(mesh, "model")
+  grad_sizes = collections.Counter()
+  tp_activation = False
+  for c in found:
+    assert c.kind in ALLOWED_KINDS, c.line
+    assert c.groups in (data, model, everything), c.line
+    if c.kind == "all-gather":
+      assert not set(c.shapes) & split_full, c.line
+    if c.kind == "all-reduce" and c.groups in (data, everything):
+      grad_sizes.update(math.prod(s) for s in c.shapes)
+    if c.kind == "all-reduce" and c.groups == model and model_size > 1:
+      assert not set(c.shapes) & split_local, c.line
+      b_local = B // sharding.axis_size(mesh, "data")
+      tp_activation |= (b_local, T, config.d_model) in c.shapes
+  needed = collections.Counter(math.prod(local_shape(s, sp, mesh))
+                               for s, sp in zip(shapes, specs))
+  missing = needed - grad_sizes
+  assert not missing, f"gradients of these sizes are not all-reduced over data: {missing}"
+  assert tp_activation or model_size == 1
+
+
+def bare(spec) -> tuple:
+  """A PartitionSpec without its trailing Nones (P() == P(None))."""
+  spec = tuple(spec)
+  while spec and spec[-1] is None:
+    spec = spec[:-1]
+  return spec
+
+
+@pytest.mark.parametrize("version, shape", [(2, (4, 2)), (3, (2, 4)), (2, (8, 1))],
+                         ids=["gemma2-4x2", "gemma3-2x4", "gemma2-8x1"])
+def test_sharded_train_step_matches_one_device(version, shape, cpu_devices):
+  c = gemma.Config.tiny(version)
+  mesh = jax.make_mesh(shape, ("data", "model"), devices=cpu_devices)
+  opt = gemma.AdamW(learning_rate=1e-3, weight_decay=0.1, clip_norm=1.0)
+  batch = counting_batch(c, B, T, 3)
+  kw = dict(config=c, optimizer=opt, implementation="cpu")
+
+  params = jax.device_put(U.random_params(c, 4), cpu_devices[0])
+  state = gemma.init_opt_state(params)
+  one = jax.device_put(batch, cpu_devices[0])
+  params, state, m1 = gemma.train_step(params, state, one, **kw)
+  _, _, m1b = gemma.train_step(params, state, one, **kw)
+
+  params = gemma.shard_params(U.random_params(c, 4), c, mesh)
+  state = gemma.init_opt_state(params)
+  many = gemma.shard_batch(batch, mesh)
+  step = gemma.train_step.lower(params, state, many, mesh=mesh, **kw).compile()
+  check_collectives(step.as_text(), mesh, c)
+  params, state, m2 = step(params, state, many)
+  specs = jax.tree.leaves(gemma.param_specs(c, mesh), is_leaf=lambda s: isinstance(s, P))
+  for got, mu, spec in zip(jax.tree.leaves(params), jax.tree.leaves(state["mu"]), specs):
+    # The parameters and their moments stay where they were.
+    assert bare(got.sharding.spec) == bare(mu.sharding.spec) == bare(spec), (got.shape, spec)
+  _, _, m2b = step(params, state, many)
+  for k in ("loss", "grad_norm"):
+    assert abs(float(m2[k]) - float(m1[k])) <= 1e-5 * abs(float(m1[k])), k
+  assert abs(float(m2b["loss"]) - float(m1b["loss"])) <= 1e-4 * abs(float(m1b["loss"]))
