@@ -7,10 +7,13 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   params.py    init_params, param_shapes, check_params
   model.py     forward, hidden_states, loss
   train.py     AdamW, init_opt_state, opt_state_specs, train_step
+  generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
 """
 
 from jaxgpu.models.gemma.config import Config
+from jaxgpu.models.gemma.generate import (GenerateOutput, Sampling, decode, decode_step,
+                                          empty_cache, generate, prefill, sample)
 from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
@@ -20,9 +23,15 @@ from jaxgpu.models.gemma.train import AdamW, init_opt_state, opt_state_specs, tr
 __all__ = [
     "AdamW",
     "Config",
+    "GenerateOutput",
+    "Sampling",
     "batch_sharding",
     "check_params",
+    "decode",
+    "decode_step",
+    "empty_cache",
     "forward",
+    "generate",
     "hidden_states",
     "init_opt_state",
     "init_params",
@@ -31,6 +40,8 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
+    "prefill",
+    "sample",
     "shard_batch",
     "shard_params",
     "train_step",
