@@ -2,12 +2,13 @@
 
   info    versions; which handler modules were compiled (CUDA architectures, FFI API);
           the devices JAX sees; which implementations each op has in this process.
-  demo    a small pre-norm transformer stack built from jaxgpu ops, run with the kernels
-          (implementation=None) and with the pure-JAX reference (implementation='xla'):
-          forward output and parameter gradients are compared, and the jitted
-          forward+backward of both is timed. Exits 1 when they disagree.
-  bench   runs benchmarks/bench_<family>.py (default: norm) of a source checkout;
-          further arguments go to that script: ``python -m jaxgpu bench --quick --no-write``.
+  demo    trains a small Gemma (jaxgpu.models.gemma, built from jaxgpu's kernels) to sort
+          digits for about a minute, then sorts held-out prompts with `generate`; on a GPU
+          it also times the training step against implementation='xla'. Exits 1 when the
+          model did not learn the task (jaxgpu/_demo.py).
+  bench   runs benchmarks/bench_<family>.py of a source checkout (default: norm; `model`: the
+          end-to-end Gemma); further arguments go to that script:
+          ``python -m jaxgpu bench --quick --no-write``.
 """
 
 from __future__ import annotations
@@ -15,20 +16,15 @@ from __future__ import annotations
 import argparse
 import importlib.metadata
 import importlib.util
-import math
 import os
 import platform
 import re
 import shlex
-import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 import jaxgpu
 from jaxgpu import _family, _ffi, _implementation
@@ -166,177 +162,6 @@ def info() -> int:
   return 0
 
 
-# ---- demo -----------------------------------------------------------------------------------
-
-# (batch, seq, d_model, heads, d_ff, layers). 'small': the whole demo takes about 10 s on 2 CPU
-# cores; 'large' gives a GPU enough work per launch for the timing to mean something.
-_SIZES = {
-    "small": (4, 128, 256, 4, 704, 2),
-    "large": (8, 1024, 2048, 16, 5632, 2),
-}
-# Relative L2 error allowed between the kernels and the reference. Both sides run the same
-# matmuls and attention; only the norms differ (float32 reduction order), and in bfloat16
-# each such difference is rounded again by every later layer. Measured on a CPU: worst leaf
-# 1e-6 in float32, 1.1e-2 in bfloat16 at both the 'small' and the 'large' sizes. The
-# tolerances leave 5x or more of margin; a wrong kernel or gradient is off by O(1).
-_TOLERANCE = {"float32": 1e-4, "bfloat16": 5e-2}
-
-
-def _init_params(key, d_model, d_ff, n_layers, dtype):
-  def normal(k, shape, scale):
-    return (scale * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-
-  def norm_weight(k, shape):  # near 1, not 1: a wrong weight gradient cannot hide
-    return (1.0 + 0.1 * jax.random.normal(k, shape, jnp.float32)).astype(dtype)
-
-  keys = iter(jax.random.split(key, 7 * n_layers + 2))
-  layers = []
-  for _ in range(n_layers):
-    layers.append({
-        "attn_norm": norm_weight(next(keys), (d_model,)),
-        "wqkv": normal(next(keys), (d_model, 3 * d_model), d_model ** -0.5),
-        "wo": normal(next(keys), (d_model, d_model), d_model ** -0.5),
-        "mlp_norm": norm_weight(next(keys), (d_model,)),
-        "w_gate": normal(next(keys), (d_model, d_ff), d_model ** -0.5),
-        "w_up": normal(next(keys), (d_model, d_ff), d_model ** -0.5),
-        "w_down": normal(next(keys), (d_ff, d_model), d_ff ** -0.5),
-    })
-  return {
-      "layers": layers,
-      "final_weight": norm_weight(next(keys), (d_model,)),
-      "final_bias": normal(next(keys), (d_model,), 0.1),
-  }
-
-
-def _attention(p, y, n_heads):
-  b, t, d = y.shape
-  qkv = (y @ p["wqkv"]).reshape(b, t, 3, n_heads, d // n_heads)
-  o = jax.nn.dot_product_attention(qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2], is_causal=True)
-  return o.reshape(b, t, d) @ p["wo"]
-
-
-def _swiglu(p, y):
-  return (jax.nn.silu(y @ p["w_gate"]) * (y @ p["w_up"])) @ p["w_down"]
-
-
-def _forward(params, delta, residual, *, n_heads, implementation):
-  """Pre-norm blocks on a residual stream carried as (delta, residual): each norm forms
-  h = delta + residual in the kernel and returns it as the next residual."""
-  for p in params["layers"]:
-    y, residual = jaxgpu.rms_norm(delta, p["attn_norm"], residual=residual,
-                                  implementation=implementation)
-    delta = _attention(p, y, n_heads)
-    y, residual = jaxgpu.rms_norm(delta, p["mlp_norm"], residual=residual,
-                                  implementation=implementation)
-    delta = _swiglu(p, y)
-  out, _ = jaxgpu.layer_norm(delta, params["final_weight"], params["final_bias"],
-                             residual=residual, implementation=implementation)
-  return out
-
-
-def _make_step(n_heads, implementation):
-  """jit(forward + gradient w.r.t. the parameters): returns (loss, output, grads)."""
-
-  def step(params, delta, residual, cotangent):
-    def loss_fn(params):
-      out = _forward(params, delta, residual, n_heads=n_heads, implementation=implementation)
-      return jnp.sum(out.astype(jnp.float32) * cotangent), out
-
-    (loss, out), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return loss, out, grads
-
-  return jax.jit(step)
-
-
-def _rel_err(a, b) -> float:
-  a = np.asarray(jax.device_get(a)).astype(np.float64)
-  b = np.asarray(jax.device_get(b)).astype(np.float64)
-  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
-
-
-def _leaf_name(path) -> str:
-  return ".".join(str(getattr(k, "key", getattr(k, "idx", k))) for k in path)
-
-
-def _time_per_call(fn, args, repeats=5, target_s=0.1) -> tuple[float, int]:
-  """Median seconds per call: N calls dispatched back to back, one block per repeat."""
-  jax.block_until_ready(fn(*args))  # compile
-  t0 = time.perf_counter()
-  jax.block_until_ready(fn(*args))
-  single = time.perf_counter() - t0
-  n = int(min(100, max(3, target_s / max(single, 1e-6))))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    # Keep only each call's loss scalar: all outputs of one execution are ready together,
-    # and dropping the rest keeps N calls' gradients from piling up in device memory.
-    losses = [fn(*args)[0] for _ in range(n)]
-    jax.block_until_ready(losses)
-    times.append((time.perf_counter() - t0) / n)
-  return statistics.median(times), n
-
-
-def demo(dtype: str | None, size: str | None) -> int:
-  on_gpu = jax.default_backend() in ("gpu", "cuda")
-  dtype = dtype or ("bfloat16" if on_gpu else "float32")
-  size = size or ("large" if on_gpu else "small")
-  batch, seq, d_model, n_heads, d_ff, n_layers = _SIZES[size]
-  tol = _TOLERANCE[dtype]
-  device = jax.devices()[0]
-  print(f"jaxgpu demo: {n_layers} pre-norm transformer blocks (fused residual + rms_norm, "
-        f"causal attention, SwiGLU), final layer_norm")
-  print(f"  batch {batch} x seq {seq}, d_model {d_model}, {n_heads} heads, d_ff {d_ff}, "
-        f"{dtype} on {device.platform} ({device.device_kind})")
-  print(f"  implementation=None runs: {_default_implementation()}; compared with "
-        f"implementation='xla' (the pure-JAX reference)")
-
-  k_params, k_delta, k_res, k_ct = jax.random.split(jax.random.key(0), 4)
-  params = _init_params(k_params, d_model, d_ff, n_layers, jnp.dtype(dtype))
-  shape = (batch, seq, d_model)
-  delta = jax.random.normal(k_delta, shape, jnp.float32).astype(dtype)
-  residual = jax.random.normal(k_res, shape, jnp.float32).astype(dtype)
-  cotangent = jax.random.normal(k_ct, shape, jnp.float32)
-  args = (params, delta, residual, cotangent)
-
-  steps = {"jaxgpu": _make_step(n_heads, None), "xla": _make_step(n_heads, "xla")}
-  results = {name: jax.block_until_ready(step(*args)) for name, step in steps.items()}
-
-  # The comparison means something only if the kernels are really in the program.
-  kernels = sorted(set(re.findall(r'custom_call_target="(jaxgpu_[A-Za-z0-9_]+)"',
-                                  steps["jaxgpu"].lower(*args).compile().as_text() or "")))
-  print(f"  jaxgpu kernels in the compiled program: {', '.join(kernels) or 'none'}")
-  if not kernels and not _default_implementation().startswith("xla"):
-    print("demo FAILED: the program has no jaxgpu kernel", file=sys.stderr)
-    return 1
-
-  _, out, grads = results["jaxgpu"]
-  _, ref_out, ref_grads = results["xla"]
-  errors = [("output", _rel_err(out, ref_out))]
-  flat, _ = jax.tree_util.tree_flatten_with_path(grads)
-  ref_flat = jax.tree_util.tree_leaves(ref_grads)
-  errors += [(f"d {_leaf_name(path)}", _rel_err(g, r)) for (path, g), r in zip(flat, ref_flat)]
-  ok = all(e <= tol for _, e in errors)  # NaN compares False: a NaN fails the check
-  width = max(len(name) for name, _ in errors)
-  print(f"check: relative L2 error vs the reference (tolerance {tol:g} for {dtype})")
-  for name, e in errors:
-    print(f"  {name:<{width}}  {e:.2e}" + ("" if e <= tol else "  <-- FAIL"))
-  worst = max((e for _, e in errors), key=lambda e: math.inf if math.isnan(e) else e)
-  print(f"  worst {worst:.2e}: {'OK' if ok else 'FAILED'}")
-
-  print("timing: jit(forward + grad), median of 5 repeats of N calls dispatched back to back")
-  timings = {}
-  for name, step in steps.items():
-    timings[name], n = _time_per_call(step, args)
-    print(f"  {name:<7} {timings[name] * 1e3:9.3f} ms/step  (N={n})")
-  print(f"  xla / jaxgpu time: {timings['xla'] / timings['jaxgpu']:.2f}x")
-  if not on_gpu:
-    print("  (on a CPU this is informational: the tuned kernels are the CUDA ones)")
-  if not ok:
-    print("demo FAILED: the jaxgpu kernels disagree with the pure-JAX reference", file=sys.stderr)
-    return 1
-  return 0
-
-
 # ---- bench ----------------------------------------------------------------------------------
 
 
@@ -361,8 +186,10 @@ def bench(argv: list[str]) -> int:
           "  python -m jaxgpu bench [FAMILY] [ARGS]    (or python benchmarks/bench_norm.py --help)",
           file=sys.stderr)
     return 2
-  if family not in _family.FAMILY_NAMES:
-    print(f"jaxgpu bench: no op family {family!r}; families: {', '.join(_family.FAMILY_NAMES)}",
+  # The op families, and the end-to-end model (benchmarks/bench_model.py).
+  names = (*_family.FAMILY_NAMES, "model")
+  if family not in names:
+    print(f"jaxgpu bench: no benchmark {family!r}; benchmarks: {', '.join(names)}",
           file=sys.stderr)
     return 2
   script = root / f"bench_{family}.py"
@@ -385,18 +212,18 @@ def main(argv: list[str] | None = None) -> int:
       prog="python -m jaxgpu", description="jaxgpu: fused CUDA kernels for JAX.")
   sub = parser.add_subparsers(dest="command", required=True, metavar="{info,demo,bench}")
   sub.add_parser("info", help="versions, compiled handlers, devices, implementations per op")
-  d = sub.add_parser("demo", help="a transformer block from jaxgpu ops vs the pure-JAX "
-                     "reference: check and timing")
-  d.add_argument("--dtype", choices=sorted(_TOLERANCE), default=None,
-                 help="default: bfloat16 on a GPU, float32 on a CPU")
-  d.add_argument("--size", choices=sorted(_SIZES), default=None,
-                 help="default: large on a GPU, small on a CPU")
+  d = sub.add_parser("demo", help="train a small Gemma to sort digits, then generate; on a "
+                     "GPU, its step time with jaxgpu vs implementation='xla'")
+  d.add_argument("--seconds", type=float, default=None,
+                 help="training time (default: 45 on a CPU, 90 on a GPU)")
   sub.add_parser("bench", help="run benchmarks/bench_<family>.py of a source checkout "
                  "(default family: norm); further arguments go to that script")
   args = parser.parse_args(argv)
   if args.command == "info":
     return info()
-  return demo(args.dtype, args.size)
+  from jaxgpu import _demo  # imports the model only when the demo runs
+
+  return _demo.demo(args.seconds)
 
 
 if __name__ == "__main__":

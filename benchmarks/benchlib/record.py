@@ -42,6 +42,7 @@ class Record:
   dispatch_bound: bool = False
   target: str | None = None  # the target for this figure, when it has one
   target_met: bool | None = None
+  notes: str | None = None  # figures a family adds (tokens/s, MFU, peak memory, a roofline)
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)

@@ -86,13 +86,16 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
       recs = [Record.from_json(r) for r in e.get("records", [])]
       has_flops = any(r.tflops for r in recs)
       has_target = any(r.target for r in recs)
+      has_notes = any(r.notes for r in recs)
       cols = ["op", "case", "pass", "impl", "time (us)", "GB/s", "% ceil"]
       cols += ["TFLOP/s"] if has_flops else []
       cols += ["vs anchor"]
       cols += ["target"] if has_target else []
+      cols += ["notes"] if has_notes else []
       lines.append("| " + " | ".join(cols) + " |")
       # text columns left-aligned, figures right-aligned, the target text left-aligned
-      align = ["---" if i < 4 or c == "target" else "---:" for i, c in enumerate(cols)]
+      align = ["---" if i < 4 or c in ("target", "notes") else "---:"
+               for i, c in enumerate(cols)]
       lines.append("|" + "|".join(align) + "|")
       for r in recs:
         anchor_tag = " (anchor)" if r.implementation == r.anchor else ""
@@ -104,6 +107,7 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
         if has_target:
           row += ["" if not r.target else
                   f"{'met' if r.target_met else '**missed**'}: {r.target}"]
+        row += [r.notes or ""] if has_notes else []
         lines.append("| " + " | ".join(row) + " |")
       if e.get("failures"):
         lines += ["", "Failed cases:", ""] + [f"- {f}" for f in e["failures"]]
