@@ -1,7 +1,7 @@
 """Benchmark cross_entropy: bf16 logits over a large vocabulary, forward and forward+backward.
 
     python3 benchmarks/bench_cross_entropy.py                 # GPU: cuda vs xla, writes results/
-    python3 benchmarks/bench_cross_entropy.py --out $OUT      # also writes $OUT/<gpu>.json, RESULTS.md
+    python3 benchmarks/bench_cross_entropy.py --out $OUT      # also $OUT/<gpu>.json, RESULTS.md
     python3 benchmarks/bench_cross_entropy.py --quick --no-write   # CPU smoke test: cpu vs xla
 
 Every case is timed for each implementation in the same run; the anchor is 'xla', the

@@ -110,8 +110,9 @@ def make_inputs(key, rows: int, hidden: int, dtype, n_params: int, residual: boo
     x = inputs.random_array(kx, (rows, hidden), dtype)
     pkeys = jax.random.split(kp, n_params)
     # weight ~ N(1, 0.1) as after training; bias ~ N(0, 0.1)
-    params = tuple(inputs.random_array(k, (hidden,), dtype, scale=0.1, offset=1.0 if i == 0 else 0.0)
-                   for i, k in enumerate(pkeys))
+    params = tuple(
+        inputs.random_array(k, (hidden,), dtype, scale=0.1, offset=1.0 if i == 0 else 0.0)
+        for i, k in enumerate(pkeys))
     r = inputs.random_array(kr, (rows, hidden), dtype) if residual else None
     if pass_ == "fwd":
         return (x, params, r)

@@ -185,7 +185,8 @@ def run(bench: harness.Bench) -> None:
             if name == TARGET_CASE:
                 # the issue's targets; not on the float32-angle formula's record
                 harness.mark_targets(bench, recs, pass_, fwd_vs=TARGET_FWD_VS_XLA,
-                                     fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,), skip=(NAIVE,))
+                                     fwd_bwd_vs=TARGET_FWD_BWD_VS_XLA, baselines=(ANCHOR,),
+                                     skip=(NAIVE,))
             for r in recs:
                 print(f"  {name:<18} {pass_:<8} {r.implementation:<14} {r.time_us:9.1f} us "
                       f"{record.fmt(r.gbs, '7.0f')} GB/s {record.fmt(r.vs_anchor, '.2f')}x",

@@ -23,7 +23,7 @@ import argparse
 import os
 import sys
 from pathlib import Path
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchlib, also under `python -P`
 
@@ -54,7 +54,7 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 TARGET_FWD_GBS_H100 = 2800.0
 
 
-def _fwd_gbs_target(bench: "Bench") -> tuple[float | None, str | None]:
+def _fwd_gbs_target(bench: Bench) -> tuple[float | None, str | None]:
   if bench.slug == "h100":
     return TARGET_FWD_GBS_H100, "2.8 TB/s"
   if bench.ceiling_gbs:
@@ -64,7 +64,7 @@ def _fwd_gbs_target(bench: "Bench") -> tuple[float | None, str | None]:
   return None, None
 
 
-def mark_targets(bench: "Bench", records: Sequence["Record"], pass_: str, *, fwd_vs: float,
+def mark_targets(bench: Bench, records: Sequence[Record], pass_: str, *, fwd_vs: float,
                  fwd_bwd_vs: float, baselines: Sequence[str] = ("xla",),
                  skip: Sequence[str] = ()) -> None:
   """Marks an issue's targets on the kernel records of a target case (on a GPU only):
@@ -94,7 +94,7 @@ def mark_targets(bench: "Bench", records: Sequence["Record"], pass_: str, *, fwd
     rec.target_met = all(met for _, met in checks)
 
 
-def case_shapes(bench: "Bench", shapes: Sequence[tuple], quick_shapes: Sequence[tuple]) -> list:
+def case_shapes(bench: Bench, shapes: Sequence[tuple], quick_shapes: Sequence[tuple]) -> list:
   """The shapes a family benchmarks: its quick ones under --quick, or those named in
   JAXGPU_BENCH_SHAPES ("16384x8192,4096x4096") for a tuning run, else its own."""
   if os.environ.get("JAXGPU_BENCH_SHAPES"):
@@ -159,7 +159,8 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:
-  p = argparse.ArgumentParser(description="regenerate benchmarks/RESULTS.md and README.md's headline table from results/*.json")
+  p = argparse.ArgumentParser(description="regenerate benchmarks/RESULTS.md and README.md's "
+                              "headline table from results/*.json")
   p.add_argument("--add", type=Path, nargs="*", default=[],
                  help="results JSON files (e.g. from the GPU machine's $OUT) to merge first")
   args = p.parse_args(argv)

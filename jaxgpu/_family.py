@@ -16,7 +16,7 @@ from __future__ import annotations
 import dataclasses
 import importlib
 from types import MappingProxyType
-from typing import Mapping
+from collections.abc import Mapping
 
 from jaxgpu import _ffi
 

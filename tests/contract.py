@@ -26,7 +26,8 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import re
-from typing import Any, Callable
+from typing import Any
+from collections.abc import Callable
 
 import jax
 import jax.numpy as jnp

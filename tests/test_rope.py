@@ -150,8 +150,9 @@ import sys
 import jax, jax.numpy as jnp, numpy as np
 import jaxgpu
 d = np.load(sys.argv[1])
-y = jax.jit(lambda x, p: jaxgpu.rope(x, p, layout="half", rotary_dim=96,
-                                     implementation="cuda"))(jnp.asarray(d["x"], jnp.bfloat16), d["p"])
+rope = jax.jit(lambda x, p: jaxgpu.rope(x, p, layout="half", rotary_dim=96,
+                                        implementation="cuda"))
+y = rope(jnp.asarray(d["x"], jnp.bfloat16), d["p"])
 np.save(sys.argv[2], np.asarray(y.astype(jnp.float32)))
 """
 

@@ -81,7 +81,7 @@ def run_metadata() -> dict[str, Any]:
 
   dev = jax.devices()[0]
   return {
-      "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+      "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
       "commit": git_commit(),
       "jax": jax.__version__,
       "jaxlib": getattr(jaxlib, "__version__", None),

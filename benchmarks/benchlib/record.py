@@ -6,7 +6,8 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import sys
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -50,7 +51,7 @@ class Record:
     return d
 
   @classmethod
-  def from_json(cls, d: dict[str, Any]) -> "Record":
+  def from_json(cls, d: dict[str, Any]) -> Record:
     d = dict(d)
     d["pass_"] = d.pop("pass")
     known = {f.name for f in dataclasses.fields(cls)}
@@ -197,7 +198,8 @@ def fmt(v, spec: str, none: str = "-") -> str:
 
 
 def format_text_table(records: Sequence[Record]) -> str:
-  head = f"{'op':<18} {'case':<22} {'pass':<8} {'impl':<5} {'us':>9} {'GB/s':>7} {'%ceil':>6} {'vs anchor':>10}"
+  head = (f"{'op':<18} {'case':<22} {'pass':<8} {'impl':<5} {'us':>9} {'GB/s':>7} {'%ceil':>6} "
+          f"{'vs anchor':>10}")
   lines = [head, "-" * len(head)]
   for r in records:
     vs = f"{r.vs_anchor:.2f}x" if r.vs_anchor is not None else "-"

@@ -5,7 +5,7 @@ from __future__ import annotations
 import dataclasses
 import statistics
 import time
-from typing import Callable, Sequence
+from collections.abc import Callable, Sequence
 
 from benchlib.inputs import random_array
 
@@ -20,7 +20,7 @@ class TimingConfig:
   max_calls: int = 2000
 
   @classmethod
-  def quick(cls) -> "TimingConfig":
+  def quick(cls) -> TimingConfig:
     return cls(warmup=1, repeats=3, target_s=0.005, min_calls=2, max_calls=50)
 
 

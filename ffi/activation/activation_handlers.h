@@ -20,26 +20,26 @@
 namespace jaxgpu {
 
 // Binding prefixes: the backend-specific handler prepends its context (the stream).
-#define JAXGPU_ACT_UNARY_FWD_BINDING(BIND)                                        \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* x */                              \
-      .Ret<::xla::ffi::AnyBuffer>()          /* y */
+#define JAXGPU_ACT_UNARY_FWD_BINDING(BIND)  \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */ \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */
 
-#define JAXGPU_ACT_UNARY_BWD_BINDING(BIND)                                        \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* x */                              \
-      .Arg<::xla::ffi::AnyBuffer>()          /* dy */                             \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dx */
+#define JAXGPU_ACT_UNARY_BWD_BINDING(BIND)   \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */  \
+      .Arg<::xla::ffi::AnyBuffer>() /* dy */ \
+      .Ret<::xla::ffi::AnyBuffer>() /* dx */
 
-#define JAXGPU_ACT_GATED_FWD_BINDING(BIND)                                        \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* gate */                           \
-      .Arg<::xla::ffi::AnyBuffer>()          /* up */                             \
-      .Ret<::xla::ffi::AnyBuffer>()          /* y */
+#define JAXGPU_ACT_GATED_FWD_BINDING(BIND)     \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* gate */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* up */   \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */
 
-#define JAXGPU_ACT_GATED_BWD_BINDING(BIND)                                        \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* gate */                           \
-      .Arg<::xla::ffi::AnyBuffer>()          /* up */                             \
-      .Arg<::xla::ffi::AnyBuffer>()          /* dy */                             \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dgate */                          \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dup */
+#define JAXGPU_ACT_GATED_BWD_BINDING(BIND)      \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* gate */  \
+      .Arg<::xla::ffi::AnyBuffer>() /* up */    \
+      .Arg<::xla::ffi::AnyBuffer>() /* dy */    \
+      .Ret<::xla::ffi::AnyBuffer>() /* dgate */ \
+      .Ret<::xla::ffi::AnyBuffer>() /* dup */
 
 // Appended to the gelu and geglu bindings.
 #define JAXGPU_ACT_APPROXIMATE_ATTR(BIND) BIND.Attr<bool>("approximate") /* approximate */
@@ -71,10 +71,11 @@ inline ffi::Error SameAs(const ffi::AnyBuffer& buf, const char* name, const ffi:
 
 // ins: the pass's inputs in the order of activation_params.h (the first sets the dtype and
 // shape); outs: its outputs.
-inline ffi::Error MakeActParams(ActKind kind, bool gated, bool backward,
-                                std::initializer_list<std::pair<const ffi::AnyBuffer*, const char*>> ins,
-                                std::initializer_list<std::pair<ffi::Result<ffi::AnyBuffer>*, const char*>> outs,
-                                ActParams* p) {
+inline ffi::Error MakeActParams(
+    ActKind kind, bool gated, bool backward,
+    std::initializer_list<std::pair<const ffi::AnyBuffer*, const char*>> ins,
+    std::initializer_list<std::pair<ffi::Result<ffi::AnyBuffer>*, const char*>> outs,
+    ActParams* p) {
   *p = ActParams{};
   p->kind = kind;
   p->gated = gated;
@@ -82,7 +83,8 @@ inline ffi::Error MakeActParams(ActKind kind, bool gated, bool backward,
   if (gated && !act::ActKindIsGated(kind)) {
     return ffi::Error::InvalidArgument("no gated form of this activation");
   }
-  if (static_cast<int>(ins.size()) != ActInputs(*p) || static_cast<int>(outs.size()) != ActOutputs(*p)) {
+  if (static_cast<int>(ins.size()) != ActInputs(*p) ||
+      static_cast<int>(outs.size()) != ActOutputs(*p)) {
     return ffi::Error::Internal("activation handler: wrong number of buffers");
   }
   const ffi::AnyBuffer& ref = *ins.begin()->first;

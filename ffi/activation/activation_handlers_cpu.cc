@@ -77,19 +77,19 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSiluFwdCpu, jaxgpu::UnaryFwdCpu<ActKind::kSi
                               JAXGPU_ACT_UNARY_FWD_BINDING(xffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSiluBwdCpu, jaxgpu::UnaryBwdCpu<ActKind::kSilu>,
                               JAXGPU_ACT_UNARY_BWD_BINDING(xffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGeluFwdCpu, jaxgpu::GeluFwdCpu,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_UNARY_FWD_BINDING(xffi::Ffi::Bind())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGeluBwdCpu, jaxgpu::GeluBwdCpu,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_UNARY_BWD_BINDING(xffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGeluFwdCpu, jaxgpu::GeluFwdCpu,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_UNARY_FWD_BINDING(xffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGeluBwdCpu, jaxgpu::GeluBwdCpu,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_UNARY_BWD_BINDING(xffi::Ffi::Bind())));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSwigluFwdCpu, jaxgpu::SwigluFwdCpu,
                               JAXGPU_ACT_GATED_FWD_BINDING(xffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSwigluBwdCpu, jaxgpu::SwigluBwdCpu,
                               JAXGPU_ACT_GATED_BWD_BINDING(xffi::Ffi::Bind()));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGegluFwdCpu, jaxgpu::GegluFwdCpu,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_GATED_FWD_BINDING(xffi::Ffi::Bind())));
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGegluBwdCpu, jaxgpu::GegluBwdCpu,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_GATED_BWD_BINDING(xffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGegluFwdCpu, jaxgpu::GegluFwdCpu,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_GATED_FWD_BINDING(xffi::Ffi::Bind())));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGegluBwdCpu, jaxgpu::GegluBwdCpu,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_GATED_BWD_BINDING(xffi::Ffi::Bind())));

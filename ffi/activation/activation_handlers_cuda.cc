@@ -88,23 +88,23 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSiluFwdCuda, jaxgpu::UnaryFwdCuda<ActKind::k
                               JAXGPU_ACT_UNARY_FWD_BINDING(JAXGPU_CUDA_BIND()), JAXGPU_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSiluBwdCuda, jaxgpu::UnaryBwdCuda<ActKind::kSilu>,
                               JAXGPU_ACT_UNARY_BWD_BINDING(JAXGPU_CUDA_BIND()), JAXGPU_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGeluFwdCuda, jaxgpu::GeluFwdCuda,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_UNARY_FWD_BINDING(JAXGPU_CUDA_BIND())),
-                              JAXGPU_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGeluBwdCuda, jaxgpu::GeluBwdCuda,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_UNARY_BWD_BINDING(JAXGPU_CUDA_BIND())),
-                              JAXGPU_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGeluFwdCuda, jaxgpu::GeluFwdCuda,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_UNARY_FWD_BINDING(JAXGPU_CUDA_BIND())),
+    JAXGPU_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGeluBwdCuda, jaxgpu::GeluBwdCuda,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_UNARY_BWD_BINDING(JAXGPU_CUDA_BIND())),
+    JAXGPU_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSwigluFwdCuda, jaxgpu::SwigluFwdCuda,
                               JAXGPU_ACT_GATED_FWD_BINDING(JAXGPU_CUDA_BIND()), JAXGPU_CMD_BUFFER);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuSwigluBwdCuda, jaxgpu::SwigluBwdCuda,
                               JAXGPU_ACT_GATED_BWD_BINDING(JAXGPU_CUDA_BIND()), JAXGPU_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGegluFwdCuda, jaxgpu::GegluFwdCuda,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_GATED_FWD_BINDING(JAXGPU_CUDA_BIND())),
-                              JAXGPU_CMD_BUFFER);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuGegluBwdCuda, jaxgpu::GegluBwdCuda,
-                              JAXGPU_ACT_APPROXIMATE_ATTR(
-                                  JAXGPU_ACT_GATED_BWD_BINDING(JAXGPU_CUDA_BIND())),
-                              JAXGPU_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGegluFwdCuda, jaxgpu::GegluFwdCuda,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_GATED_FWD_BINDING(JAXGPU_CUDA_BIND())),
+    JAXGPU_CMD_BUFFER);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuGegluBwdCuda, jaxgpu::GegluBwdCuda,
+    JAXGPU_ACT_APPROXIMATE_ATTR(JAXGPU_ACT_GATED_BWD_BINDING(JAXGPU_CUDA_BIND())),
+    JAXGPU_CMD_BUFFER);

@@ -104,7 +104,7 @@ struct Silu {
 // Computed as x * sigmoid(2u), the same function (0.5 (1 + tanh(u)) = sigmoid(2u)) without
 // the cancellation of 1 + tanh(u) for negative x, where tanh(u) rounds to -1 in float32.
 struct GeluTanh {
-  static constexpr float kK0 = 1.5957691216057308f;        // 2 sqrt(2/pi)
+  static constexpr float kK0 = 1.5957691216057308f;  // 2 sqrt(2/pi)
   static constexpr float kK1 = 1.5957691216057308f * 0.044715f;
   JAXGPU_HD static float F(float x) { return x * Logistic(x * (kK0 + kK1 * x * x)); }
   // d/dx x s(2u) = s + x s (1 - s) (k0 + 3 k1 x^2). Where s (1 - s) is exactly 0 the second

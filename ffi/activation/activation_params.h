@@ -27,9 +27,9 @@ struct ActParams {
   ActKind kind;
   bool gated;
   bool backward;
-  DType dtype;            // of every input and output
-  int64_t n;              // elements of each buffer
-  const void* in[3];      // see the table above; unused entries nullptr
+  DType dtype;        // of every input and output
+  int64_t n;          // elements of each buffer
+  const void* in[3];  // see the table above; unused entries nullptr
   void* out[2];
 };
 

@@ -32,8 +32,7 @@ __device__ __forceinline__ void CopyRowsAsync(const T* gmem, int64_t ld, int val
     const bool ok = row < valid_rows && chunk < dim_chunks;
     const T* src = ok ? gmem + row * ld + chunk * 8 : gmem;
     const int bytes = ok ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src),
-                 "r"(bytes)
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(addr), "l"(src), "r"(bytes)
                  : "memory");
   }
 }

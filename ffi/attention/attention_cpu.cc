@@ -80,8 +80,7 @@ double Logit(const AttentionParams& p, const float* q, const float* k, int64_t n
 }
 
 // The kv head's K and V rows as float32, S x H each.
-void LoadKv(const AttentionParams& p, const Dims& d, int64_t b, int64_t kh, float* kf,
-            float* vf) {
+void LoadKv(const AttentionParams& p, const Dims& d, int64_t b, int64_t kh, float* kf, float* vf) {
   for (int64_t j = 0; j < d.S; ++j) {
     LoadFloats(p.k, p.dtype, d.KvRow(b, j, kh), d.H, kf + j * d.H);
     LoadFloats(p.v, p.dtype, d.KvRow(b, j, kh), d.H, vf + j * d.H);
@@ -108,8 +107,8 @@ void AttentionFwd(const AttentionParams& p) {
           double mx = kNegInf;
           for (int64_t j = lo; j <= hi; ++j) {
             double unused;
-            logit[j] = SameSegment(p, b, i, j) ? Logit(p, q.data(), &kf[j * H], H, &unused)
-                                               : kNegInf;
+            logit[j] =
+                SameSegment(p, b, i, j) ? Logit(p, q.data(), &kf[j * H], H, &unused) : kNegInf;
             mx = std::max(mx, logit[j]);
           }
           std::fill(acc.begin(), acc.end(), 0.0);

@@ -19,9 +19,7 @@ const char* ResolveAttentionPath(const AttentionParams& p, AttentionPath request
 
 // bfloat16 / float16, head_dim a multiple of 8 and <= 256, on a path ResolveAttentionPath
 // returned.
-cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path,
-                               cudaStream_t stream);
-cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path,
-                               cudaStream_t stream);
+cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream);
+cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream);
 
 }  // namespace jaxgpu::cuda

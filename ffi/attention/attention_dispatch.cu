@@ -53,8 +53,7 @@ const char* ResolveAttentionPath(const AttentionParams& p, AttentionPath request
   return nullptr;
 }
 
-cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path,
-                               cudaStream_t stream) {
+cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   const MainLoop* loop = MainLoopOf(path);
@@ -66,8 +65,7 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path,
 // Deterministic: no atomics, every gradient element is summed by one thread in a fixed
 // order. delta first, then dQ per (query tile, query head) and dK/dV per (key tile, kv
 // head), each recomputing the probabilities from the forward's lse (see each main loop).
-cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path,
-                               cudaStream_t stream) {
+cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   const MainLoop* loop = MainLoopOf(path);

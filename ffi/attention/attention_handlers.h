@@ -32,31 +32,29 @@ namespace jaxgpu {
 #define JAXGPU_ATTENTION_ATTRS(BIND) BIND.Attrs()
 
 // Binding prefixes: the backend-specific handler passes its context (stream) first.
-#define JAXGPU_ATTENTION_FWD_BINDING(BIND)                                         \
-  JAXGPU_ATTENTION_ATTRS(                                                          \
-      BIND.Arg<::xla::ffi::AnyBuffer>()      /* q */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* k */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* v */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* q_segment_ids */                   \
-          .Arg<::xla::ffi::AnyBuffer>()      /* kv_segment_ids */                  \
-          .Ret<::xla::ffi::AnyBuffer>()      /* o */                               \
-          .Ret<::xla::ffi::AnyBuffer>())     /* lse */
+#define JAXGPU_ATTENTION_FWD_BINDING(BIND)                                       \
+  JAXGPU_ATTENTION_ATTRS(BIND.Arg<::xla::ffi::AnyBuffer>()  /* q */              \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* k */              \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* v */              \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* q_segment_ids */  \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* kv_segment_ids */ \
+                             .Ret<::xla::ffi::AnyBuffer>()  /* o */              \
+                             .Ret<::xla::ffi::AnyBuffer>()) /* lse */
 
-#define JAXGPU_ATTENTION_BWD_BINDING(BIND)                                         \
-  JAXGPU_ATTENTION_ATTRS(                                                          \
-      BIND.Arg<::xla::ffi::AnyBuffer>()      /* q */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* k */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* v */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* o */                               \
-          .Arg<::xla::ffi::AnyBuffer>()      /* lse */                             \
-          .Arg<::xla::ffi::AnyBuffer>()      /* do */                              \
-          .Arg<::xla::ffi::AnyBuffer>()      /* q_segment_ids */                   \
-          .Arg<::xla::ffi::AnyBuffer>()      /* kv_segment_ids */                  \
-          .Arg<::xla::ffi::AnyBuffer>()      /* segment_uniform */                 \
-          .Ret<::xla::ffi::AnyBuffer>()      /* dq */                              \
-          .Ret<::xla::ffi::AnyBuffer>()      /* dk */                              \
-          .Ret<::xla::ffi::AnyBuffer>()      /* dv */                              \
-          .Ret<::xla::ffi::AnyBuffer>())     /* delta */
+#define JAXGPU_ATTENTION_BWD_BINDING(BIND)                                        \
+  JAXGPU_ATTENTION_ATTRS(BIND.Arg<::xla::ffi::AnyBuffer>()  /* q */               \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* k */               \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* v */               \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* o */               \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* lse */             \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* do */              \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* q_segment_ids */   \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* kv_segment_ids */  \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* segment_uniform */ \
+                             .Ret<::xla::ffi::AnyBuffer>()  /* dq */              \
+                             .Ret<::xla::ffi::AnyBuffer>()  /* dk */              \
+                             .Ret<::xla::ffi::AnyBuffer>()  /* dv */              \
+                             .Ret<::xla::ffi::AnyBuffer>()) /* delta */
 
 // The attributes every attention handler takes.
 struct AttentionAttrs {
@@ -103,7 +101,8 @@ inline ffi::Error AttentionAttrsFrom(const ffi::Dictionary& attrs, AttentionAttr
   if (attrs.size() != (has_path ? 7u : 6u)) {
     return ffi::Error::InvalidArgument(
         "attributes: expected scale, softcap, causal, window_left, window_right, has_segments "
-        "and optionally path, got " + std::to_string(attrs.size()) + " attributes");
+        "and optionally path, got " +
+        std::to_string(attrs.size()) + " attributes");
   }
   return ffi::Error::Success();
 }
@@ -198,8 +197,8 @@ ffi::Error CheckRowStats(const S& buf, const AttentionParams& p, const char* nam
 inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                          ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
                                          ffi::Result<ffi::AnyBuffer> o,
-                                         ffi::Result<ffi::AnyBuffer> lse,
-                                         const AttentionAttrs& a, AttentionParams* p) {
+                                         ffi::Result<ffi::AnyBuffer> lse, const AttentionAttrs& a,
+                                         AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
   JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(*o, *p, q.element_type(), "o"));
   JAXGPU_RETURN_IF_ERROR(CheckRowStats(*lse, *p, "lse"));
@@ -208,15 +207,11 @@ inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   return ffi::Error::Success();
 }
 
-inline ffi::Error MakeAttentionBwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                         ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
-                                         ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                                         ffi::AnyBuffer seg_uniform,
-                                         ffi::Result<ffi::AnyBuffer> dq,
-                                         ffi::Result<ffi::AnyBuffer> dk,
-                                         ffi::Result<ffi::AnyBuffer> dv,
-                                         ffi::Result<ffi::AnyBuffer> delta,
-                                         const AttentionAttrs& a, AttentionParams* p) {
+inline ffi::Error MakeAttentionBwdParams(
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
+    ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform,
+    ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+    ffi::Result<ffi::AnyBuffer> delta, const AttentionAttrs& a, AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
   const ffi::DataType t = q.element_type();
   JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(q, *p, t, "q"));

@@ -32,10 +32,9 @@ ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
   return ffi::Error::Success();
 }
 
-ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer o, ffi::AnyBuffer lse, ffi::AnyBuffer d_o,
-                           ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                           ffi::AnyBuffer seg_uniform,
+ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
+                           ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg,
+                           ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
                            ffi::Dictionary attrs) {

@@ -18,15 +18,15 @@ ffi::Error CheckCudaSupported(const AttentionParams& p) {
         "q: the CUDA attention kernels take bfloat16 or float16 (float32 runs the XLA path)");
   }
   if (p.head_dim % 8 != 0) {
-    return ffi::Error::InvalidArgument("q: the CUDA kernels need a head dim that is a multiple "
-                                       "of 8 (jaxgpu.dot_product_attention pads others)");
+    return ffi::Error::InvalidArgument(
+        "q: the CUDA kernels need a head dim that is a multiple "
+        "of 8 (jaxgpu.dot_product_attention pads others)");
   }
   return ffi::Error::Success();
 }
 
 // The main loop this call runs on; a forced one that cannot run it is the caller's error.
-ffi::Error ResolvePath(const AttentionParams& p, AttentionPath requested,
-                       AttentionPath* resolved) {
+ffi::Error ResolvePath(const AttentionParams& p, AttentionPath requested, AttentionPath* resolved) {
   if (const char* why = cuda::ResolveAttentionPath(p, requested, resolved)) {
     return ffi::Error::InvalidArgument(std::string("path: ") + AttentionPathName(requested) +
                                        " cannot run this call here: " + why);
@@ -51,10 +51,9 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                             ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                            ffi::AnyBuffer seg_uniform,
-                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
-                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            ffi::Dictionary attrs) {
+                            ffi::AnyBuffer seg_uniform, ffi::Result<ffi::AnyBuffer> dq,
+                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
+                            ffi::Result<ffi::AnyBuffer> delta, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;

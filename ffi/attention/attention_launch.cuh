@@ -14,10 +14,10 @@
 #include "attention/attention_params.h"
 #include "common/cuda_utils.cuh"
 
-#define JAXGPU_RETURN_IF_CUDA_ERROR(expr)      \
-  do {                                         \
-    cudaError_t _err = (expr);                 \
-    if (_err != cudaSuccess) return _err;      \
+#define JAXGPU_RETURN_IF_CUDA_ERROR(expr) \
+  do {                                    \
+    cudaError_t _err = (expr);            \
+    if (_err != cudaSuccess) return _err; \
   } while (0)
 
 // The tensor-core kernels take 16-bit inputs only (float32 runs the XLA path; see
@@ -38,7 +38,7 @@ inline int PaddedHeadDim(int64_t h) {
   return 256;
 }
 
-#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                             \
+#define JAXGPU_HEAD_DIM_SWITCH(h, D, ...)                                                   \
   JAXGPU_INT_SWITCH(::jaxgpu::cuda::attention::PaddedHeadDim(h), D, (32, 64, 96, 128, 256), \
                     __VA_ARGS__)
 
@@ -91,8 +91,8 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
 // Launches a kernel taking (p, LogitScale) with Tr's threads and shared memory over a
 // FlatGrid of (head, tile).
 template <typename Tr, typename Kernel>
-cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles,
-                            const AttentionParams& p, cudaStream_t stream) {
+cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles, const AttentionParams& p,
+                            cudaStream_t stream) {
   JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(heads, tiles, &grid));
@@ -104,8 +104,8 @@ cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles,
 // The forward and dQ kernels: (query head, query tile of Tr::kBlockM) (DecodeQueryTile).
 template <typename Tr, typename Kernel>
 cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
-  return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads * p.group,
-                             CeilDiv(p.q_len, Tr::kBlockM), p, stream);
+  return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM),
+                             p, stream);
 }
 
 // The dK/dV kernels: (kv head, key tile of Tr::kBlockN x Tr::kSlices feature slices).

@@ -92,8 +92,7 @@ __device__ __forceinline__ void TanhPair(float& a, float& b) {
 template <bool kTransposed, int kN, bool kSoftcap, bool kTanhF32 = false>
 __device__ __forceinline__ void ToLogits(float (&acc)[kN / 8][4], const LogitScale& ls,
                                          const Mask& mask, bool masked, int row0, int col0,
-                                         const int32_t* row_seg, const int32_t* col_seg,
-                                         int lane) {
+                                         const int32_t* row_seg, const int32_t* col_seg, int lane) {
   if (kSoftcap) {
 #pragma unroll
     for (int j = 0; j < kN / 8; ++j) {

@@ -17,9 +17,9 @@ struct Mask {
   int q_len;
   int kv_len;
   bool causal;
-  int left;                // -1: unbounded
-  int right;               // -1: unbounded
-  const int32_t* q_seg;    // this batch row's segment ids, or nullptr
+  int left;              // -1: unbounded
+  int right;             // -1: unbounded
+  const int32_t* q_seg;  // this batch row's segment ids, or nullptr
   const int32_t* kv_seg;
 
   __device__ __forceinline__ bool Visible(int i, int j) const {
@@ -53,8 +53,7 @@ struct Mask {
 
   // The kv tiles [*lo, *hi) of `tile` keys that every query in [i0, i1] sees whole,
   // segments aside: TileFullyVisible holds for each (empty when *lo >= *hi).
-  __device__ __forceinline__ void FullTileRange(int i0, int i1, int tile, int* lo,
-                                                int* hi) const {
+  __device__ __forceinline__ void FullTileRange(int i0, int i1, int tile, int* lo, int* hi) const {
     int h = kv_len;  // one past the last key every row sees
     if (causal) h = min(h, i0 + 1);
     if (right >= 0) h = min(h, i0 + right + 1);
@@ -93,8 +92,10 @@ template <bool kKeyTiles>
 __device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int cta1, int warp0,
                                                  int warp1, int tile) {
   auto range = [&](int i0, int i1, int* lo, int* hi) {
-    if (kKeyTiles) m.KeyRange(i0, i1, lo, hi);
-    else m.QueryRange(i0, i1, lo, hi);
+    if (kKeyTiles)
+      m.KeyRange(i0, i1, lo, hi);
+    else
+      m.QueryRange(i0, i1, lo, hi);
   };
   TileWalk w{0, 0, 0, 0};
   int lo, hi;
@@ -139,8 +140,8 @@ __host__ __device__ inline Mask MakeMask(const AttentionParams& p, int64_t b) {
   m.kv_len = static_cast<int>(p.kv_len);
   m.causal = p.causal;
   m.left = (p.window_left < 0 || p.window_left >= p.q_len) ? -1 : static_cast<int>(p.window_left);
-  m.right = (p.window_right < 0 || p.window_right >= p.kv_len) ? -1
-                                                               : static_cast<int>(p.window_right);
+  m.right =
+      (p.window_right < 0 || p.window_right >= p.kv_len) ? -1 : static_cast<int>(p.window_right);
   m.q_seg = p.q_segment_ids ? p.q_segment_ids + b * p.q_len : nullptr;
   m.kv_seg = p.kv_segment_ids ? p.kv_segment_ids + b * p.kv_len : nullptr;
   return m;
@@ -164,8 +165,7 @@ struct TileMasking {
 
 // The segment part of a decision, from the segment ranges of the tile's two sides.
 __device__ __forceinline__ void ApplySegmentRanges(TileMasking& tm, const int32_t* row_ids,
-                                                   const SegmentRange& rows,
-                                                   const int32_t* col_ids,
+                                                   const SegmentRange& rows, const int32_t* col_ids,
                                                    const SegmentRange& cols) {
   tm.skip = rows.DisjointFrom(cols);
   if (!rows.OneSegmentWith(cols)) {
@@ -181,9 +181,9 @@ __device__ __forceinline__ void ApplySegmentRanges(TileMasking& tm, const int32_
 // TFLOP/s on the H100.)
 template <bool kMaskable>
 __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segments, int q0,
-                                                     int q1, int k0, int k1,
-                                                     const int32_t* row_ids, int rows,
-                                                     const int32_t* col_ids, int cols, int lane) {
+                                                     int q1, int k0, int k1, const int32_t* row_ids,
+                                                     int rows, const int32_t* col_ids, int cols,
+                                                     int lane) {
   TileMasking tm{false, false, nullptr, nullptr};
   if (!kMaskable) return tm;
   tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);
@@ -200,12 +200,9 @@ __device__ __forceinline__ TileMasking DecideMasking(const Mask& mask, bool segm
 // may cover more rows or columns than the warp's (a warpgroup's, the same in its 4 warps,
 // so that `skip` is too): the decision is then coarser, never wrong.
 template <bool kMaskable>
-__device__ __forceinline__ TileMasking DecideMaskingInRanges(const Mask& mask, bool segments,
-                                                             int q0, int q1, int k0, int k1,
-                                                             const int32_t* row_ids,
-                                                             const SegmentRange& rows,
-                                                             const int32_t* col_ids,
-                                                             const SegmentRange& cols) {
+__device__ __forceinline__ TileMasking DecideMaskingInRanges(
+    const Mask& mask, bool segments, int q0, int q1, int k0, int k1, const int32_t* row_ids,
+    const SegmentRange& rows, const int32_t* col_ids, const SegmentRange& cols) {
   TileMasking tm{false, false, nullptr, nullptr};
   if (!kMaskable) return tm;
   tm.masked = !mask.TileFullyVisible(q0, q1, k0, k1);

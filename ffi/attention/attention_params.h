@@ -24,19 +24,19 @@
 namespace jaxgpu {
 
 struct AttentionParams {
-  DType dtype;               // of q, k, v, o, do, dq, dk, dv
-  int64_t batch;             // B
-  int64_t q_len;             // T
-  int64_t kv_len;            // S
-  int64_t kv_heads;          // K
-  int64_t group;             // R: query heads per kv head
-  int64_t head_dim;          // H
+  DType dtype;       // of q, k, v, o, do, dq, dk, dv
+  int64_t batch;     // B
+  int64_t q_len;     // T
+  int64_t kv_len;    // S
+  int64_t kv_heads;  // K
+  int64_t group;     // R: query heads per kv head
+  int64_t head_dim;  // H
   float scale;
-  float softcap;             // 0: none
+  float softcap;  // 0: none
   bool causal;
-  int64_t window_left;       // -1: unbounded
-  int64_t window_right;      // -1: unbounded
-  const int32_t* q_segment_ids;   // nullptr: no segment ids
+  int64_t window_left;           // -1: unbounded
+  int64_t window_right;          // -1: unbounded
+  const int32_t* q_segment_ids;  // nullptr: no segment ids
   const int32_t* kv_segment_ids;
   // Backward, with segment ids (optional): per batch row, 1 where its q and kv ids are all
   // one segment (nothing masked by them), else 0. nullptr otherwise.

@@ -16,11 +16,11 @@ namespace jaxgpu::cuda::attention {
 // Offsets of one (batch b, kv head kh, query head r) slice, in elements (layouts:
 // attention_params.h).
 struct HeadOffsets {
-  int64_t q;         // of q[b, 0, kh, r, 0] (also o, do, dq)
-  int64_t kv;        // of k[b, 0, kh, 0] (also v, dk, dv)
-  int64_t stats;     // of lse[b, kh, r, 0] (also delta)
-  int64_t q_ld;      // elements between consecutive queries: K * R * H
-  int64_t kv_ld;     // between consecutive keys: K * H
+  int64_t q;      // of q[b, 0, kh, r, 0] (also o, do, dq)
+  int64_t kv;     // of k[b, 0, kh, 0] (also v, dk, dv)
+  int64_t stats;  // of lse[b, kh, r, 0] (also delta)
+  int64_t q_ld;   // elements between consecutive queries: K * R * H
+  int64_t kv_ld;  // between consecutive keys: K * H
 };
 
 __device__ __forceinline__ HeadOffsets MakeHeadOffsets(const AttentionParams& p, int64_t b,
@@ -53,8 +53,7 @@ __device__ __forceinline__ HeadAndRank DecodeGroupedTile(int flat, int heads, in
   const int group = flat / per_group;
   const int within = flat - group * per_group;
   const int heads_here = min(heads - group * group_heads, group_heads);
-  return {static_cast<int64_t>(group) * group_heads + within % heads_here,
-          within / heads_here};
+  return {static_cast<int64_t>(group) * group_heads + within % heads_here, within / heads_here};
 }
 
 // Heads a group: under the causal mask as many as keep a group's K and V (2 bytes an
@@ -87,9 +86,8 @@ __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, i
   QueryTile q;
   int64_t head;
   if constexpr (kGrouped) {
-    const HeadAndRank hr =
-        DecodeGroupedTile(blockIdx.x, static_cast<int>(p.batch * p.kv_heads * p.group),
-                          m_blocks, GroupHeads(p));
+    const HeadAndRank hr = DecodeGroupedTile(
+        blockIdx.x, static_cast<int>(p.batch * p.kv_heads * p.group), m_blocks, GroupHeads(p));
     head = hr.head;
     q.m_block = m_blocks - 1 - hr.rank;
   } else {

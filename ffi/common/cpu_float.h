@@ -10,8 +10,16 @@
 
 namespace jaxgpu::cpu {
 
-inline float BitsToFloat(uint32_t u) { float f; std::memcpy(&f, &u, 4); return f; }
-inline uint32_t FloatToBits(float f) { uint32_t u; std::memcpy(&u, &f, 4); return u; }
+inline float BitsToFloat(uint32_t u) {
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+inline uint32_t FloatToBits(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  return u;
+}
 
 inline float Bf16ToFloat(uint16_t h) { return BitsToFloat(uint32_t(h) << 16); }
 
@@ -40,18 +48,18 @@ inline uint16_t FloatToF16(float f) {
   const uint32_t u = FloatToBits(f);
   const uint16_t sign = uint16_t((u >> 16) & 0x8000u);
   const uint32_t au = u & 0x7fffffffu;
-  if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);           // NaN
-  if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);          // overflow -> inf
-  if (au < 0x38800000u) {                                          // subnormal or zero
+  if (au > 0x7f800000u) return uint16_t(sign | 0x7e00u);   // NaN
+  if (au >= 0x477ff000u) return uint16_t(sign | 0x7c00u);  // overflow -> inf
+  if (au < 0x38800000u) {                                  // subnormal or zero
     // Scale so that the half subnormal quantum (2^-24) becomes 1, round to nearest even.
-    const float scaled = BitsToFloat(au) * 16777216.0f;            // exact (power of two)
+    const float scaled = BitsToFloat(au) * 16777216.0f;  // exact (power of two)
     uint32_t m = uint32_t(scaled);
     const float rem = scaled - float(m);
     if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
     return uint16_t(sign | m);
   }
-  uint32_t r = au + 0xfffu + ((au >> 13) & 1u);                    // round mantissa
-  r -= 0x38000000u;                                                // rebias 127 -> 15
+  uint32_t r = au + 0xfffu + ((au >> 13) & 1u);  // round mantissa
+  r -= 0x38000000u;                              // rebias 127 -> 15
   return uint16_t(sign | (r >> 13));
 }
 
@@ -99,8 +107,7 @@ inline void StoreFloats(void* p, DType t, int64_t at, int64_t n, const float* in
       for (int64_t i = 0; i < n; ++i) dst[i] = FloatToF16(in[i]);
       break;
     }
-    default:
-      break;
+    default: break;
   }
 }
 

@@ -66,8 +66,8 @@ struct CudaType<DType::kS32> {
 
 // `using T` = the device type of dtype, for dtype in the DTypeSet SET (e.g. kFloatDTypes);
 // cudaErrorInvalidValue for any other dtype.
-#define JAXGPU_DTYPE_SWITCH(dtype, T, SET, ...)                                              \
+#define JAXGPU_DTYPE_SWITCH(dtype, T, SET, ...)                                           \
   ::jaxgpu::SwitchDType<(SET), ::jaxgpu::cuda::CudaType>((dtype), [&](auto _jaxgpu_tag) { \
-    using T = typename std::decay_t<decltype(_jaxgpu_tag)>::type;                            \
-    return __VA_ARGS__();                                                                    \
+    using T = typename std::decay_t<decltype(_jaxgpu_tag)>::type;                         \
+    return __VA_ARGS__();                                                                 \
   })

@@ -93,8 +93,8 @@ auto SwitchInt(int64_t value, Fn&& fn) {
 template <DTypeSet kSet, template <DType> class TypeOf, typename Fn>
 auto SwitchDType(DType t, Fn&& fn) {
   static_assert(kSet != 0, "a switch needs at least one case");
-  return dispatch_detail::SwitchDType<kSet, TypeOf>(
-      t, fn, std::make_integer_sequence<int, kNumDTypes>{});
+  return dispatch_detail::SwitchDType<kSet, TypeOf>(t, fn,
+                                                    std::make_integer_sequence<int, kNumDTypes>{});
 }
 
 }  // namespace jaxgpu
@@ -103,20 +103,20 @@ auto SwitchDType(DType t, Fn&& fn) {
 
 // `constexpr int NAME` = expr, for expr in the parenthesized list CASES, e.g. (2, 4, 8):
 // vector counts, head dims, unrolls.
-#define JAXGPU_INT_SWITCH(expr, NAME, CASES, ...)                                     \
+#define JAXGPU_INT_SWITCH(expr, NAME, CASES, ...)                                    \
   ::jaxgpu::SwitchInt<JAXGPU_DISPATCH_UNPAREN CASES>((expr), [&](auto _jaxgpu_tag) { \
-    constexpr int NAME = std::decay_t<decltype(_jaxgpu_tag)>::value;               \
-    return __VA_ARGS__();                                                          \
+    constexpr int NAME = std::decay_t<decltype(_jaxgpu_tag)>::value;                 \
+    return __VA_ARGS__();                                                            \
   })
 
 // `constexpr bool NAME` = cond (both cases exist: no unknown value).
-#define JAXGPU_BOOL_SWITCH(cond, NAME, ...)                             \
-  [&] {                                                                 \
-    if (cond) {                                                         \
-      constexpr bool NAME = true;                                       \
-      return __VA_ARGS__();                                             \
-    } else {                                                            \
-      constexpr bool NAME = false;                                      \
-      return __VA_ARGS__();                                             \
-    }                                                                   \
+#define JAXGPU_BOOL_SWITCH(cond, NAME, ...) \
+  [&] {                                     \
+    if (cond) {                             \
+      constexpr bool NAME = true;           \
+      return __VA_ARGS__();                 \
+    } else {                                \
+      constexpr bool NAME = false;          \
+      return __VA_ARGS__();                 \
+    }                                       \
   }()

@@ -38,9 +38,13 @@ inline const char* DTypeName(DType t) {
 
 constexpr int DTypeBits(DType t) {
   switch (t) {
-    case DType::kF32: case DType::kS32: return 32;
-    case DType::kBF16: case DType::kF16: return 16;
-    case DType::kS8: case DType::kU8: case DType::kF8E4M3: return 8;
+    case DType::kF32:
+    case DType::kS32: return 32;
+    case DType::kBF16:
+    case DType::kF16: return 16;
+    case DType::kS8:
+    case DType::kU8:
+    case DType::kF8E4M3: return 8;
     case DType::kS4: return 4;
   }
   return 0;
@@ -58,8 +62,8 @@ constexpr DTypeSet DTypeBit(DType t) { return DTypeSet(1) << static_cast<int>(t)
 constexpr bool InDTypeSet(DTypeSet set, DType t) { return (set & DTypeBit(t)) != 0; }
 
 // What the memory-bound kernels (norm, softmax, activations, rope, cross-entropy) take.
-constexpr DTypeSet kFloatDTypes = DTypeBit(DType::kF32) | DTypeBit(DType::kBF16) |
-                                  DTypeBit(DType::kF16);
+constexpr DTypeSet kFloatDTypes =
+    DTypeBit(DType::kF32) | DTypeBit(DType::kBF16) | DTypeBit(DType::kF16);
 // 16-bit floats: what the tensor-core (attention) kernels take.
 constexpr DTypeSet kHalfDTypes = DTypeBit(DType::kBF16) | DTypeBit(DType::kF16);
 

@@ -100,8 +100,8 @@ ffi::Error CheckDims(const Buf& buf, std::initializer_list<int64_t> dims, const 
 
 }  // namespace jaxgpu
 
-#define JAXGPU_RETURN_IF_ERROR(expr)           \
-  do {                                         \
-    ::xla::ffi::Error _err = (expr);           \
-    if (_err.failure()) return _err;           \
+#define JAXGPU_RETURN_IF_ERROR(expr) \
+  do {                               \
+    ::xla::ffi::Error _err = (expr); \
+    if (_err.failure()) return _err; \
   } while (0)

@@ -9,6 +9,6 @@
 
 #include "xla/ffi/api/api.h"
 
-#define JAXGPU_DECLARE_HANDLERS(name, stem) \
+#define JAXGPU_DECLARE_HANDLERS(name, stem)  \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cpu); \
   XLA_FFI_DECLARE_HANDLER_SYMBOL(stem##Cuda);

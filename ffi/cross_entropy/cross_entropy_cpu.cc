@@ -61,8 +61,8 @@ void CrossEntropyFwd(const CrossEntropyFwdParams& p) {
     for (int64_t i = 0; i < V; ++i) s += std::exp(z[i] - m);
     // m = -inf (a row of -inf logits) or +inf: lse is -inf, +inf or NaN, as in the
     // reference; NaN logits make everything NaN.
-    const double lse = std::isinf(m) ? (m > 0 ? m : -std::numeric_limits<double>::infinity())
-                                     : m + std::log(s);
+    const double lse =
+        std::isinf(m) ? (m > 0 ? m : -std::numeric_limits<double>::infinity()) : m + std::log(s);
     const double loss = lse - (1.0 - ls) * z[label] - (ls > 0 ? ls * sum_z / double(V) : 0.0);
     p.loss[row] = float(loss);
     p.lse[row] = float(lse);

@@ -22,26 +22,26 @@
 namespace jaxgpu {
 
 // Binding prefixes: the backend-specific handler appends its context (stream).
-#define JAXGPU_CROSS_ENTROPY_FWD_BINDING(BIND)                                     \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* logits */                          \
-      .Arg<::xla::ffi::AnyBuffer>()          /* labels */                          \
-      .Ret<::xla::ffi::AnyBuffer>()          /* loss */                            \
-      .Ret<::xla::ffi::AnyBuffer>()          /* lse */                             \
-      .Attr<int32_t>("ignore_index")         /* ignore_index */                    \
-      .Attr<bool>("has_ignore")              /* has_ignore */                      \
-      .Attr<float>("label_smoothing")        /* label_smoothing */                 \
-      .Attr<float>("softcap")                /* softcap */
+#define JAXGPU_CROSS_ENTROPY_FWD_BINDING(BIND)              \
+  BIND.Arg<::xla::ffi::AnyBuffer>()   /* logits */          \
+      .Arg<::xla::ffi::AnyBuffer>()   /* labels */          \
+      .Ret<::xla::ffi::AnyBuffer>()   /* loss */            \
+      .Ret<::xla::ffi::AnyBuffer>()   /* lse */             \
+      .Attr<int32_t>("ignore_index")  /* ignore_index */    \
+      .Attr<bool>("has_ignore")       /* has_ignore */      \
+      .Attr<float>("label_smoothing") /* label_smoothing */ \
+      .Attr<float>("softcap")         /* softcap */
 
-#define JAXGPU_CROSS_ENTROPY_BWD_BINDING(BIND)                                     \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* logits */                          \
-      .Arg<::xla::ffi::AnyBuffer>()          /* labels */                          \
-      .Arg<::xla::ffi::AnyBuffer>()          /* lse */                             \
-      .Arg<::xla::ffi::AnyBuffer>()          /* dloss */                           \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dlogits */                         \
-      .Attr<int32_t>("ignore_index")         /* ignore_index */                    \
-      .Attr<bool>("has_ignore")              /* has_ignore */                      \
-      .Attr<float>("label_smoothing")        /* label_smoothing */                 \
-      .Attr<float>("softcap")                /* softcap */
+#define JAXGPU_CROSS_ENTROPY_BWD_BINDING(BIND)              \
+  BIND.Arg<::xla::ffi::AnyBuffer>()   /* logits */          \
+      .Arg<::xla::ffi::AnyBuffer>()   /* labels */          \
+      .Arg<::xla::ffi::AnyBuffer>()   /* lse */             \
+      .Arg<::xla::ffi::AnyBuffer>()   /* dloss */           \
+      .Ret<::xla::ffi::AnyBuffer>()   /* dlogits */         \
+      .Attr<int32_t>("ignore_index")  /* ignore_index */    \
+      .Attr<bool>("has_ignore")       /* has_ignore */      \
+      .Attr<float>("label_smoothing") /* label_smoothing */ \
+      .Attr<float>("softcap")         /* softcap */
 
 namespace cross_entropy_detail {
 

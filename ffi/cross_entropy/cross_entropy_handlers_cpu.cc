@@ -23,9 +23,8 @@ ffi::Error CrossEntropyBwdCpu(ffi::AnyBuffer logits, ffi::AnyBuffer labels, ffi:
                               int32_t ignore_index, bool has_ignore, float label_smoothing,
                               float softcap) {
   CrossEntropyBwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeCrossEntropyBwdParams(logits, labels, lse, dloss, dlogits,
-                                                   ignore_index, has_ignore, label_smoothing,
-                                                   softcap, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeCrossEntropyBwdParams(
+      logits, labels, lse, dloss, dlogits, ignore_index, has_ignore, label_smoothing, softcap, &p));
   cpu::CrossEntropyBwd(p);
   return ffi::Error::Success();
 }

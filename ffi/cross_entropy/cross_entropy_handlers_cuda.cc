@@ -26,9 +26,8 @@ ffi::Error CrossEntropyBwdCuda(cudaStream_t stream, ffi::AnyBuffer logits, ffi::
                                ffi::Result<ffi::AnyBuffer> dlogits, int32_t ignore_index,
                                bool has_ignore, float label_smoothing, float softcap) {
   CrossEntropyBwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeCrossEntropyBwdParams(logits, labels, lse, dloss, dlogits,
-                                                   ignore_index, has_ignore, label_smoothing,
-                                                   softcap, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeCrossEntropyBwdParams(
+      logits, labels, lse, dloss, dlogits, ignore_index, has_ignore, label_smoothing, softcap, &p));
   return CudaStatus(cuda::LaunchCrossEntropyBwd(p, stream), "cross_entropy backward launch");
 }
 

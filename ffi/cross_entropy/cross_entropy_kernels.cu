@@ -130,9 +130,16 @@ __device__ __forceinline__ void AddGroup(const float (&f)[N], Lse& st) {
   AddGroup<kSmooth>(f, st, mx);
 }
 
-template <typename T> struct Pair;
-template <> struct Pair<__nv_bfloat16> { using type = __nv_bfloat162; };
-template <> struct Pair<__half> { using type = __half2; };
+template <typename T>
+struct Pair;
+template <>
+struct Pair<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+};
+template <>
+struct Pair<__half> {
+  using type = __half2;
+};
 
 // Max of U loaded vectors. 16-bit types: on packed pairs (HMNMX2, exact), so the float
 // copies of the elements need not all be live at once (61 -> 40 registers, bf16).
@@ -144,7 +151,8 @@ __device__ __forceinline__ float VecMax(const Vec<T, VEC> (&v)[U]) {
 #pragma unroll
     for (int u = 0; u < U; ++u)
 #pragma unroll
-      for (int j = (u == 0 ? 2 : 0); j < VEC; j += 2) acc = __hmax2(acc, *reinterpret_cast<const T2*>(&v[u].v[j]));
+      for (int j = (u == 0 ? 2 : 0); j < VEC; j += 2)
+        acc = __hmax2(acc, *reinterpret_cast<const T2*>(&v[u].v[j]));
     return fmaxf(ToFloat(acc.x), ToFloat(acc.y));
   } else {
     float mx = ToFloat(v[0].v[0]);
@@ -166,7 +174,8 @@ __device__ __forceinline__ void AddVecs(const Vec<T, VEC> (&v)[U], Lse& st, floa
 #pragma unroll
   for (int u = 0; u < U; ++u)
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) f[u * VEC + j] = Cap<kSoftcap>(ToFloat(v[u].v[j]), cap, inv_cap, &t);
+    for (int j = 0; j < VEC; ++j)
+      f[u * VEC + j] = Cap<kSoftcap>(ToFloat(v[u].v[j]), cap, inv_cap, &t);
   if constexpr (kSoftcap) {
     AddGroup<kSmooth>(f, st);
   } else {
@@ -204,7 +213,8 @@ __device__ __forceinline__ void RowReduce(Lse& st, float (*scratch)[3], int tpr)
   __syncthreads();
   const int first = threadIdx.y * (tpr / 32);
   st = Lse{scratch[first][0], scratch[first][1], scratch[first][2]};
-  for (int w = 1; w < tpr / 32; ++w) Merge(st, scratch[first + w][0], scratch[first + w][1], scratch[first + w][2]);
+  for (int w = 1; w < tpr / 32; ++w)
+    Merge(st, scratch[first + w][0], scratch[first + w][1], scratch[first + w][2]);
 }
 
 // A row of V elements of T at `row`: `head` scalars up to the first 16-byte boundary, then
@@ -247,8 +257,7 @@ __device__ __forceinline__ RowLabel ReadLabel(const int32_t* labels, int64_t row
 
 template <typename T, int VEC, bool kSmooth, bool kSoftcap>
 __global__ void __launch_bounds__(kMaxTpr, kSoftcap ? kMinBlocksPerSmSoftcapFwd : kMinBlocksPerSm)
-    CrossEntropyFwdKernel(const CrossEntropyFwdParams p,
-                                                                 int tpr) {
+    CrossEntropyFwdKernel(const CrossEntropyFwdParams p, int tpr) {
   __shared__ float scratch[kMaxTpr / 32][3];
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   const bool in_grid = row < p.rows;
@@ -280,7 +289,8 @@ __global__ void __launch_bounds__(kMaxTpr, kSoftcap ? kMinBlocksPerSmSoftcapFwd 
     for (; i + (kLoadsInFlight - 1) * tpr < sp.nvec; i += kLoadsInFlight * tpr) {
       Vec<T, VEC> v[kLoadsInFlight];
 #pragma unroll
-      for (int u = 0; u < kLoadsInFlight; ++u) v[u] = LoadVecStream<T, VEC>(body, (i + u * tpr) * VEC);
+      for (int u = 0; u < kLoadsInFlight; ++u)
+        v[u] = LoadVecStream<T, VEC>(body, (i + u * tpr) * VEC);
       AddVecs<kSmooth, kSoftcap>(v, st, cap, inv_cap);
     }
     for (; i < sp.nvec; i += tpr) {  // the remainder, one vector at a time
@@ -326,8 +336,8 @@ __device__ __forceinline__ float Grad(const BwdRow& r, float xv, bool is_label) 
 }
 
 template <typename T, int VEC, bool kSoftcap>
-__global__ void __launch_bounds__(kMaxTpr, kMinBlocksPerSm) CrossEntropyBwdKernel(const CrossEntropyBwdParams p,
-                                                                 int tpr) {
+__global__ void __launch_bounds__(kMaxTpr, kMinBlocksPerSm)
+    CrossEntropyBwdKernel(const CrossEntropyBwdParams p, int tpr) {
   const int64_t row = int64_t(blockIdx.x) * blockDim.y + threadIdx.y;
   if (row >= p.rows) return;  // no barriers below
   const int V = static_cast<int>(p.vocab);
@@ -360,7 +370,8 @@ __global__ void __launch_bounds__(kMaxTpr, kMinBlocksPerSm) CrossEntropyBwdKerne
   r.inv_cap = kSoftcap ? 1.f / p.softcap : 0.f;
   const int label = lab.label;
 
-  for (int e = t0; e < sp.head; e += tpr) dx[e] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(x[e]), e == label));
+  for (int e = t0; e < sp.head; e += tpr)
+    dx[e] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(x[e]), e == label));
   for (int e = sp.tail() + t0; e < V; e += tpr) {
     dx[e] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(x[e]), e == label));
   }
@@ -371,14 +382,16 @@ __global__ void __launch_bounds__(kMaxTpr, kMinBlocksPerSm) CrossEntropyBwdKerne
   for (; i + (kLoadsInFlight - 1) * tpr < sp.nvec; i += kLoadsInFlight * tpr) {
     Vec<T, VEC> v[kLoadsInFlight];
 #pragma unroll
-    for (int u = 0; u < kLoadsInFlight; ++u) v[u] = LoadVecStream<T, VEC>(body, (i + u * tpr) * VEC);
+    for (int u = 0; u < kLoadsInFlight; ++u)
+      v[u] = LoadVecStream<T, VEC>(body, (i + u * tpr) * VEC);
 #pragma unroll
     for (int u = 0; u < kLoadsInFlight; ++u) {
       const int col = (i + u * tpr) * VEC;
       const int rel = label_in_body - col;  // the label's lane in this vector, if in [0, VEC)
       Vec<T, VEC> out;
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(v[u].v[j]), rel == j));
+      for (int j = 0; j < VEC; ++j)
+        out.v[j] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(v[u].v[j]), rel == j));
       StoreVecStream<T, VEC>(dbody, col, out);
     }
   }
@@ -388,7 +401,8 @@ __global__ void __launch_bounds__(kMaxTpr, kMinBlocksPerSm) CrossEntropyBwdKerne
     const int rel = label_in_body - col;
     Vec<T, VEC> out;
 #pragma unroll
-    for (int j = 0; j < VEC; ++j) out.v[j] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(v.v[j]), rel == j));
+    for (int j = 0; j < VEC; ++j)
+      out.v[j] = FromFloat<T>(Grad<kSoftcap>(r, ToFloat(v.v[j]), rel == j));
     StoreVecStream<T, VEC>(dbody, col, out);
   }
 }

@@ -22,28 +22,28 @@
 namespace jaxgpu {
 
 struct CrossEntropyFwdParams {
-  DType dtype;             // of logits
+  DType dtype;  // of logits
   int64_t rows;
   int64_t vocab;
-  const void* logits;      // (rows, vocab)
-  const int32_t* labels;   // (rows,)
-  float* loss;             // (rows,) float32
-  float* lse;              // (rows,) float32, saved for the backward pass
+  const void* logits;     // (rows, vocab)
+  const int32_t* labels;  // (rows,)
+  float* loss;            // (rows,) float32
+  float* lse;             // (rows,) float32, saved for the backward pass
   int32_t ignore_index;
   bool has_ignore;
-  float label_smoothing;   // in [0, 1)
-  float softcap;           // 0: none
+  float label_smoothing;  // in [0, 1)
+  float softcap;          // 0: none
 };
 
 struct CrossEntropyBwdParams {
-  DType dtype;             // of logits and dlogits
+  DType dtype;  // of logits and dlogits
   int64_t rows;
   int64_t vocab;
   const void* logits;
   const int32_t* labels;
-  const float* lse;        // from the forward pass
-  const float* dloss;      // (rows,) float32: the cotangent of each row's loss
-  void* dlogits;           // (rows, vocab)
+  const float* lse;    // from the forward pass
+  const float* dloss;  // (rows,) float32: the cotangent of each row's loss
+  void* dlogits;       // (rows, vocab)
   int32_t ignore_index;
   bool has_ignore;
   float label_smoothing;

@@ -86,7 +86,8 @@ void NormBwd(const NormBwdParams& p) {
       for (int64_t i = 0; i < (p.dbias ? D : 0); ++i) db[i] += double(dy[i]);
       const float mean_g = p.kind == NormKind::kLayer ? float(sum_g / double(D)) : 0.f;
       const float mean_g_xhat = float(sum_g_xhat / double(D));
-      for (int64_t i = 0; i < D; ++i) dx[i] = rstd * (dy[i] * w[i] - mean_g - xhat[i] * mean_g_xhat);
+      for (int64_t i = 0; i < D; ++i)
+        dx[i] = rstd * (dy[i] * w[i] - mean_g - xhat[i] * mean_g_xhat);
       if (p.dh) {
         LoadFloats(p.dh, p.dtype, base, D, dh.data());
         for (int64_t i = 0; i < D; ++i) dx[i] += dh[i];

@@ -23,37 +23,37 @@
 namespace jaxgpu {
 
 // Binding prefixes: the backend-specific handler appends its context (stream, scratch).
-#define JAXGPU_NORM_FWD_BINDING(BIND)                                              \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* x */                               \
-      .Arg<::xla::ffi::AnyBuffer>()          /* residual */                        \
-      .Arg<::xla::ffi::AnyBuffer>()          /* weight */                          \
-      .Arg<::xla::ffi::AnyBuffer>()          /* bias */                            \
-      .Ret<::xla::ffi::AnyBuffer>()          /* y */                               \
-      .Ret<::xla::ffi::AnyBuffer>()          /* h */                               \
-      .Ret<::xla::ffi::AnyBuffer>()          /* mean */                            \
-      .Ret<::xla::ffi::AnyBuffer>()          /* rstd */                            \
-      .Attr<float>("eps")                    /* eps */                             \
-      .Attr<float>("weight_offset")          /* weight_offset */                   \
-      .Attr<bool>("has_residual")            /* has_residual */                    \
-      .Attr<bool>("has_weight")              /* has_weight */                      \
-      .Attr<bool>("has_bias")                /* has_bias */
+#define JAXGPU_NORM_FWD_BINDING(BIND)                   \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */             \
+      .Arg<::xla::ffi::AnyBuffer>() /* residual */      \
+      .Arg<::xla::ffi::AnyBuffer>() /* weight */        \
+      .Arg<::xla::ffi::AnyBuffer>() /* bias */          \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */             \
+      .Ret<::xla::ffi::AnyBuffer>() /* h */             \
+      .Ret<::xla::ffi::AnyBuffer>() /* mean */          \
+      .Ret<::xla::ffi::AnyBuffer>() /* rstd */          \
+      .Attr<float>("eps")           /* eps */           \
+      .Attr<float>("weight_offset") /* weight_offset */ \
+      .Attr<bool>("has_residual")   /* has_residual */  \
+      .Attr<bool>("has_weight")     /* has_weight */    \
+      .Attr<bool>("has_bias")       /* has_bias */
 
-#define JAXGPU_NORM_BWD_BINDING(BIND)                                              \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* dy */                              \
-      .Arg<::xla::ffi::AnyBuffer>()          /* dh */                              \
-      .Arg<::xla::ffi::AnyBuffer>()          /* xh */                              \
-      .Arg<::xla::ffi::AnyBuffer>()          /* weight */                          \
-      .Arg<::xla::ffi::AnyBuffer>()          /* mean */                            \
-      .Arg<::xla::ffi::AnyBuffer>()          /* rstd */                            \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dx */                              \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dweight */                         \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dbias */                           \
-      .Ret<::xla::ffi::AnyBuffer>()          /* workspace */                       \
-      .Attr<float>("weight_offset")          /* weight_offset */                   \
-      .Attr<bool>("has_dh")                  /* has_dh */                          \
-      .Attr<bool>("has_weight")              /* has_weight */                      \
-      .Attr<bool>("want_dweight")            /* want_dweight */                    \
-      .Attr<bool>("want_dbias")              /* want_dbias */
+#define JAXGPU_NORM_BWD_BINDING(BIND)                   \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* dy */            \
+      .Arg<::xla::ffi::AnyBuffer>() /* dh */            \
+      .Arg<::xla::ffi::AnyBuffer>() /* xh */            \
+      .Arg<::xla::ffi::AnyBuffer>() /* weight */        \
+      .Arg<::xla::ffi::AnyBuffer>() /* mean */          \
+      .Arg<::xla::ffi::AnyBuffer>() /* rstd */          \
+      .Ret<::xla::ffi::AnyBuffer>() /* dx */            \
+      .Ret<::xla::ffi::AnyBuffer>() /* dweight */       \
+      .Ret<::xla::ffi::AnyBuffer>() /* dbias */         \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */     \
+      .Attr<float>("weight_offset") /* weight_offset */ \
+      .Attr<bool>("has_dh")         /* has_dh */        \
+      .Attr<bool>("has_weight")     /* has_weight */    \
+      .Attr<bool>("want_dweight")   /* want_dweight */  \
+      .Attr<bool>("want_dbias")     /* want_dbias */
 
 namespace norm_detail {
 
@@ -63,8 +63,8 @@ inline ffi::Error GroupParamStride(const ffi::AnyBuffer& buf, ffi::DataType dtyp
   auto dims = buf.dimensions();
   if (dims.size() != 2 || dims[1] != D || (dims[0] != 1 && dims[0] != G)) {
     return ffi::Error::InvalidArgument(std::string(name) + ": expected shape (1, " +
-                                       std::to_string(D) + ") or (" + std::to_string(G) +
-                                       ", " + std::to_string(D) + ")");
+                                       std::to_string(D) + ") or (" + std::to_string(G) + ", " +
+                                       std::to_string(D) + ")");
   }
   if (buf.element_type() != dtype) {
     return ffi::Error::InvalidArgument(std::string(name) + ": dtype differs from x");

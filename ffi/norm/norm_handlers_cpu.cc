@@ -14,9 +14,8 @@ ffi::Error NormFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer residual, ffi::AnyBuffer 
                       ffi::Result<ffi::AnyBuffer> rstd, float eps, float weight_offset,
                       bool has_residual, bool has_weight, bool has_bias) {
   NormFwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeNormFwdParams(kKind, x, residual, weight, bias, y, h, mean, rstd,
-                                           eps, weight_offset, has_residual, has_weight,
-                                           has_bias, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeNormFwdParams(kKind, x, residual, weight, bias, y, h, mean, rstd, eps,
+                                           weight_offset, has_residual, has_weight, has_bias, &p));
   cpu::NormFwd(p);
   return ffi::Error::Success();
 }
@@ -26,8 +25,8 @@ ffi::Error NormBwdCpu(ffi::AnyBuffer dy, ffi::AnyBuffer dh, ffi::AnyBuffer xh,
                       ffi::AnyBuffer weight, ffi::AnyBuffer mean, ffi::AnyBuffer rstd,
                       ffi::Result<ffi::AnyBuffer> dx, ffi::Result<ffi::AnyBuffer> dweight,
                       ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> workspace,
-                      float weight_offset, bool has_dh,
-                      bool has_weight, bool want_dweight, bool want_dbias) {
+                      float weight_offset, bool has_dh, bool has_weight, bool want_dweight,
+                      bool want_dbias) {
   NormBwdParams p;
   JAXGPU_RETURN_IF_ERROR(MakeNormBwdParams(kKind, dy, dh, xh, weight, mean, rstd, dx, dweight,
                                            dbias, workspace, weight_offset, has_dh, has_weight,

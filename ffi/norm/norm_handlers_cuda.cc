@@ -20,9 +20,8 @@ ffi::Error NormFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer res
                        ffi::Result<ffi::AnyBuffer> rstd, float eps, float weight_offset,
                        bool has_residual, bool has_weight, bool has_bias) {
   NormFwdParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeNormFwdParams(kKind, x, residual, weight, bias, y, h, mean, rstd,
-                                           eps, weight_offset, has_residual, has_weight,
-                                           has_bias, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeNormFwdParams(kKind, x, residual, weight, bias, y, h, mean, rstd, eps,
+                                           weight_offset, has_residual, has_weight, has_bias, &p));
   return CudaStatus(cuda::LaunchNormFwd(p, stream), "norm forward launch");
 }
 

@@ -41,11 +41,11 @@ constexpr int64_t kScratchBytes = sizeof(float) * kScratchFloats;
 constexpr int kRegsMaxThreads = 512;
 
 struct RowConfig {
-  int vec;             // elements per access
-  int tpr;             // threads per row
-  int vpt;             // vectors per thread (register path)
+  int vec;  // elements per access
+  int tpr;  // threads per row
+  int vpt;  // vectors per thread (register path)
   int rows_per_block;
-  bool loop;           // the row does not fit in registers
+  bool loop;  // the row does not fit in registers
 };
 
 // target_vpt trades registers for memory-level parallelism: the forward pass holds only
@@ -191,7 +191,8 @@ __global__ void __launch_bounds__(kBlockThreads) NormFwdStaged(const NormFwdPara
         StoreVecStream<T, VEC>(p.h, base + c, h);
       }
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) s[0] += kLayer ? ToFloat(h.v[j]) : ToFloat(h.v[j]) * ToFloat(h.v[j]);
+      for (int j = 0; j < VEC; ++j)
+        s[0] += kLayer ? ToFloat(h.v[j]) : ToFloat(h.v[j]) * ToFloat(h.v[j]);
     }
   }
   RowSum(s, scratch, tpr);
@@ -243,7 +244,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads) NormFwdRegs(const NormFwdPara
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) h[k].v[j] = FromFloat<T>(ToFloat(h[k].v[j]) + ToFloat(r[k].v[j]));
+      for (int j = 0; j < VEC; ++j)
+        h[k].v[j] = FromFloat<T>(ToFloat(h[k].v[j]) + ToFloat(r[k].v[j]));
       const int col = (int(threadIdx.x) + k * tpr) * VEC;
       if (valid && col < D) StoreVecStream<T, VEC>(p.h, base + col, h[k]);
     }
@@ -265,7 +267,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads) NormFwdRegs(const NormFwdPara
     const int col = (int(threadIdx.x) + k * tpr) * VEC;
     if (col < D) {
 #pragma unroll
-      for (int j = 0; j < VEC; ++j) ss[0] += (ToFloat(h[k].v[j]) - mean) * (ToFloat(h[k].v[j]) - mean);
+      for (int j = 0; j < VEC; ++j)
+        ss[0] += (ToFloat(h[k].v[j]) - mean) * (ToFloat(h[k].v[j]) - mean);
     }
   }
   RowSum(ss, scratch, tpr);
@@ -373,13 +376,14 @@ struct BwdColumns {
         dw[k][j] = 0.f;
         if (kLayer) db[k < kDb ? k : 0][j] = 0.f;
       }
-      if (p.weight && col < D) w[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
+      if (p.weight && col < D)
+        w[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
     }
   }
 
   // One vector of a row: accumulates dweight/dbias and the row sums of g and g * xhat.
-  __device__ __forceinline__ void Add(int k, const Vec<T, VEC>& dy, const Vec<T, VEC>& x, float mean,
-                                      float rstd, float (&sums)[2]) {
+  __device__ __forceinline__ void Add(int k, const Vec<T, VEC>& dy, const Vec<T, VEC>& x,
+                                      float mean, float rstd, float (&sums)[2]) {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float d = ToFloat(dy.v[j]);
@@ -394,7 +398,8 @@ struct BwdColumns {
 
   // dx = rstd * (g - mean(g) - xhat * mean(g * xhat)) for one vector.
   __device__ __forceinline__ void Dx(int k, const Vec<T, VEC>& dy, const Vec<T, VEC>& x, float mean,
-                                     float rstd, float mean_g, float mean_gx, float (&dx)[VEC]) const {
+                                     float rstd, float mean_g, float mean_gx,
+                                     float (&dx)[VEC]) const {
 #pragma unroll
     for (int j = 0; j < VEC; ++j) {
       const float xhat = (ToFloat(x.v[j]) - mean) * rstd;
@@ -404,7 +409,8 @@ struct BwdColumns {
   }
 
   // This slot's partial row of dweight (and dbias).
-  __device__ __forceinline__ void Write(int64_t partial, int tpr, int D, float* ws_dw, float* ws_db) const {
+  __device__ __forceinline__ void Write(int64_t partial, int tpr, int D, float* ws_dw,
+                                        float* ws_db) const {
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
       const int col = (int(threadIdx.x) + k * tpr) * VEC;
@@ -470,7 +476,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
 // Registers hold only the dweight/dbias accumulators and the weights.
 template <typename T, int VEC, int VPT, bool kLayer, int kStages>
 __global__ void __launch_bounds__(kRegsMaxThreads)
-    NormBwdStaged(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw, float* ws_db) {
+    NormBwdStaged(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw,
+                  float* ws_db) {
   extern __shared__ __align__(16) unsigned char staged[];
   __shared__ float scratch[kScratchFloats];
   const int64_t group = blockIdx.x / blocks_per_group;
@@ -488,7 +495,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
   cols.Init(p, group, tpr, D);
 
   const int64_t iters = CeilDiv(R, slots);  // the same for every thread of the block
-  auto issue = [&](int64_t it) {  // stage the row of iteration `it` (if any), one group
+  auto issue = [&](int64_t it) {            // stage the row of iteration `it` (if any), one group
     const int64_t r = it * slots + slot;
     if (has_slot && it < iters && r < R) {
       const int64_t base = (group * R + r) * p.dim;
@@ -536,7 +543,8 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
       if (col >= D) continue;
       float dx[VEC];
       cols.Dx(k, *reinterpret_cast<const Vec<T, VEC>*>(cur + col),
-              *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col), mean, rstd, mean_g, mean_gx, dx);
+              *reinterpret_cast<const Vec<T, VEC>*>(cur + D + col), mean, rstd, mean_g, mean_gx,
+              dx);
       if (p.dh) {
         const Vec<T, VEC> dhv = *reinterpret_cast<const Vec<T, VEC>*>(cur + 2 * D + col);
 #pragma unroll
@@ -659,8 +667,8 @@ cudaError_t SelectBwd(const NormBwdParams& p, BwdLaunch* l) {
       if (p.dim % kFull == 0) {
         // 4 vectors a thread (256 threads for 8192 bf16) measured 0.50 ms for rms_norm
         // forward+backward at 16384 x 8192 on the H100, against 0.55 ms at 2 (512 threads).
-        const RowConfig c = ChooseRowConfig(p.dim, p.dtype, TunedVpt(1, 4), kBwdStagedMaxVpt,
-                                            kRegsMaxThreads);
+        const RowConfig c =
+            ChooseRowConfig(p.dim, p.dtype, TunedVpt(1, 4), kBwdStagedMaxVpt, kRegsMaxThreads);
         // Two stages: three measured 1-17% slower (rms_norm+res 0.89 ms against 0.77 at
         // 16384 x 8192, H100): the extra 32 KiB a block cost residency.
         constexpr int kStages = 2;
@@ -715,8 +723,9 @@ cudaError_t LaunchNormFwd(const NormFwdParams& p, cudaStream_t stream) {
         return cudaSuccess;
       }
       return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
-        NormFwdRegs<T, 1, VPT, kLayer><<<CeilDiv(rows, c.rows_per_block), dim3(c.tpr, c.rows_per_block),
-                                         0, stream>>>(p, c.tpr);
+        NormFwdRegs<T, 1, VPT, kLayer>
+            <<<CeilDiv(rows, c.rows_per_block), dim3(c.tpr, c.rows_per_block), 0, stream>>>(p,
+                                                                                            c.tpr);
         return cudaSuccess;
       });
     });

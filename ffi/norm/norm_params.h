@@ -18,22 +18,22 @@ enum class NormKind : int32_t { kRms = 0, kLayer = 1 };
 
 struct NormFwdParams {
   NormKind kind;
-  DType dtype;           // of x, residual, y, h, weight, bias
+  DType dtype;  // of x, residual, y, h, weight, bias
   int64_t groups;
   int64_t rows_per_group;
   int64_t dim;
   const void* x;
-  const void* residual;  // nullptr: no residual
-  const void* weight;    // nullptr: no weight
-  const void* bias;      // nullptr: no bias (layer norm only)
+  const void* residual;         // nullptr: no residual
+  const void* weight;           // nullptr: no weight
+  const void* bias;             // nullptr: no bias (layer norm only)
   int64_t weight_group_stride;  // 0 (shared) or dim
   int64_t bias_group_stride;
   void* y;
-  void* h;               // x + residual, written when residual != nullptr
-  float* mean;           // (groups, rows) float32, layer norm only
-  float* rstd;           // (groups, rows) float32
+  void* h;      // x + residual, written when residual != nullptr
+  float* mean;  // (groups, rows) float32, layer norm only
+  float* rstd;  // (groups, rows) float32
   float eps;
-  float weight_offset;   // y uses (weight_offset + weight); Gemma's RMSNorm uses 1
+  float weight_offset;  // y uses (weight_offset + weight); Gemma's RMSNorm uses 1
 };
 
 struct NormBwdParams {
@@ -43,16 +43,16 @@ struct NormBwdParams {
   int64_t rows_per_group;
   int64_t dim;
   const void* dy;
-  const void* dh;        // cotangent of the h output; nullptr: none
-  const void* xh;        // the normalized input: h when there was a residual, else x
-  const void* weight;    // nullptr: no weight
+  const void* dh;      // cotangent of the h output; nullptr: none
+  const void* xh;      // the normalized input: h when there was a residual, else x
+  const void* weight;  // nullptr: no weight
   int64_t weight_group_stride;
-  const float* mean;     // layer norm only
+  const float* mean;  // layer norm only
   const float* rstd;
   float weight_offset;
-  void* dx;              // also the residual's gradient
-  float* dweight;        // (groups, dim) float32; nullptr: not wanted
-  float* dbias;          // (groups, dim) float32; nullptr: not wanted
+  void* dx;        // also the residual's gradient
+  float* dweight;  // (groups, dim) float32; nullptr: not wanted
+  float* dbias;    // (groups, dim) float32; nullptr: not wanted
   // Deterministic weight/bias gradients (CUDA): `slots` row slots per group each sum a
   // fixed subset of rows into one partial row; then the partials are summed in order.
   // (k, groups, slots, dim) float32, k = number of wanted gradients. The CPU ignores it.
@@ -60,8 +60,6 @@ struct NormBwdParams {
   int64_t slots;
 };
 
-inline int64_t NormRows(int64_t groups, int64_t rows_per_group) {
-  return groups * rows_per_group;
-}
+inline int64_t NormRows(int64_t groups, int64_t rows_per_group) { return groups * rows_per_group; }
 
 }  // namespace jaxgpu

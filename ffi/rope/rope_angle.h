@@ -29,7 +29,7 @@
 namespace jaxgpu::rope {
 
 // pi/2 = kHalfPiHi + kHalfPiLo to ~2^-107 (kHalfPiHi is the double nearest pi/2).
-constexpr double kHalfPiHi = 1.5707963267948966192;   // 0x1.921fb54442d18p+0
+constexpr double kHalfPiHi = 1.5707963267948966192;     // 0x1.921fb54442d18p+0
 constexpr double kHalfPiLo = 6.123233995736766036e-17;  // 0x1.1a62633145c07p-54
 constexpr double kTwoOverPi = 0.63661977236758134308;
 
@@ -51,18 +51,20 @@ JAXGPU_ROPE_HD int ReduceQuadrant(double a, double* reduced) {
 // sincosf, which also carries a slow path for huge arguments (and a stack frame).
 JAXGPU_ROPE_HD void SinCosSmall(float r, float* s, float* c) {
   const float r2 = r * r;
-  *s = r + r * r2 * (-1.66666672e-1f + r2 * (8.33333377e-3f + r2 * (-1.98412701e-4f
-                     + r2 * 2.75573188e-6f)));
-  *c = 1.f + r2 * (-0.5f + r2 * (4.16666679e-2f + r2 * (-1.38888892e-3f
-                   + r2 * (2.48015876e-5f + r2 * -2.75573200e-7f))));
+  *s = r +
+       r * r2 *
+           (-1.66666672e-1f + r2 * (8.33333377e-3f + r2 * (-1.98412701e-4f + r2 * 2.75573188e-6f)));
+  *c = 1.f +
+       r2 * (-0.5f + r2 * (4.16666679e-2f +
+                           r2 * (-1.38888892e-3f + r2 * (2.48015876e-5f + r2 * -2.75573200e-7f))));
 }
 
 // (sin, cos) of k * pi/2 + r from (sin r, cos r), q = k mod 4.
 JAXGPU_ROPE_HD void ApplyQuadrant(int q, float sin_r, float cos_r, float* s, float* c) {
-  const float a = (q & 1) ? cos_r : sin_r;   // sin(r + pi/2) = cos r
-  const float b = (q & 1) ? sin_r : cos_r;   // cos(r + pi/2) = -sin r
-  *s = (q & 2) ? -a : a;                     // a half turn negates both
-  *c = ((q + 1) & 2) ? -b : b;               // cos: negative in quadrants 1 and 2
+  const float a = (q & 1) ? cos_r : sin_r;  // sin(r + pi/2) = cos r
+  const float b = (q & 1) ? sin_r : cos_r;  // cos(r + pi/2) = -sin r
+  *s = (q & 2) ? -a : a;                    // a half turn negates both
+  *c = ((q + 1) & 2) ? -b : b;              // cos: negative in quadrants 1 and 2
 }
 
 }  // namespace jaxgpu::rope

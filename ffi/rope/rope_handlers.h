@@ -19,13 +19,13 @@
 
 namespace jaxgpu {
 
-#define JAXGPU_ROPE_BINDING(BIND)                                                  \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* x */                               \
-      .Arg<::xla::ffi::AnyBuffer>()          /* positions */                       \
-      .Ret<::xla::ffi::AnyBuffer>()          /* y */                               \
-      .Attr<double>("theta")                 /* theta */                           \
-      .Attr<int32_t>("rotary_dim")           /* rotary_dim */                      \
-      .Attr<bool>("interleaved")             /* interleaved */
+#define JAXGPU_ROPE_BINDING(BIND)                    \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */          \
+      .Arg<::xla::ffi::AnyBuffer>() /* positions */  \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */          \
+      .Attr<double>("theta")        /* theta */      \
+      .Attr<int32_t>("rotary_dim")  /* rotary_dim */ \
+      .Attr<bool>("interleaved")    /* interleaved */
 
 inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
                                  ffi::Result<ffi::AnyBuffer> y, double theta, int32_t rotary_dim,
@@ -43,8 +43,8 @@ inline ffi::Error MakeRopeParams(ffi::AnyBuffer x, ffi::AnyBuffer positions,
     return ffi::Error::InvalidArgument("theta: must be positive and finite");
   }
   if (rotary_dim < 0 || rotary_dim % 2 != 0 || rotary_dim > H) {
-    return ffi::Error::InvalidArgument("rotary_dim: must be even and in [0, " +
-                                       std::to_string(H) + "]");
+    return ffi::Error::InvalidArgument("rotary_dim: must be even and in [0, " + std::to_string(H) +
+                                       "]");
   }
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(y, x.element_type(), R * T * N * H, "y"));
   JAXGPU_RETURN_IF_ERROR(CheckDims(*y, {R, T, N, H}, "y"));

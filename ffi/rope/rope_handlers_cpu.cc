@@ -11,8 +11,8 @@ template <bool kInverse>
 ffi::Error RopeCpu(ffi::AnyBuffer x, ffi::AnyBuffer positions, ffi::Result<ffi::AnyBuffer> y,
                    double theta, int32_t rotary_dim, bool interleaved) {
   RopeParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved,
-                                        kInverse, &p));
+  JAXGPU_RETURN_IF_ERROR(
+      MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved, kInverse, &p));
   cpu::Rope(p);
   return ffi::Error::Success();
 }

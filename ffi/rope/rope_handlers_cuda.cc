@@ -15,8 +15,8 @@ ffi::Error RopeCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer positi
                     ffi::Result<ffi::AnyBuffer> y, double theta, int32_t rotary_dim,
                     bool interleaved) {
   RopeParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved,
-                                        kInverse, &p));
+  JAXGPU_RETURN_IF_ERROR(
+      MakeRopeParams(x, positions, y, theta, rotary_dim, interleaved, kInverse, &p));
   return CudaStatus(cuda::LaunchRope(p, stream), "rope launch");
 }
 

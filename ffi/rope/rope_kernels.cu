@@ -86,10 +86,14 @@ __device__ __forceinline__ Raw<T, VEC> LoadRaw(const T* p) {
   Raw<T, VEC> r;
   if constexpr (Raw<T, VEC>::kBytes == 16) {
     const uint4 u = __ldcs(reinterpret_cast<const uint4*>(p));
-    r.w[0] = u.x; r.w[1] = u.y; r.w[2] = u.z; r.w[3] = u.w;
+    r.w[0] = u.x;
+    r.w[1] = u.y;
+    r.w[2] = u.z;
+    r.w[3] = u.w;
   } else if constexpr (Raw<T, VEC>::kBytes == 8) {
     const uint2 u = __ldcs(reinterpret_cast<const uint2*>(p));
-    r.w[0] = u.x; r.w[1] = u.y;
+    r.w[0] = u.x;
+    r.w[1] = u.y;
   } else if constexpr (Raw<T, VEC>::kBytes == 4) {
     r.w[0] = __ldcs(reinterpret_cast<const unsigned int*>(p));
   } else {
@@ -408,7 +412,8 @@ cudaError_t LaunchRope(const RopeParams& p, cudaStream_t stream) {
   const int units_per_block = kBlockThreads / lanes_per_block;
   const int64_t blocks = CeilDiv(g.units, units_per_block);
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<static_cast<unsigned>(blocks), dim3(lanes_per_block, units_per_block), 0, stream>>>(p, g);
+  kernel<<<static_cast<unsigned>(blocks), dim3(lanes_per_block, units_per_block), 0, stream>>>(p,
+                                                                                               g);
   return cudaGetLastError();
 }
 

@@ -15,19 +15,19 @@
 namespace jaxgpu {
 
 struct RopeParams {
-  DType dtype;           // of x and y
-  bool interleaved;      // pairs (2i, 2i + 1) (GPT-J); else (i, i + rotary_dim / 2) (Llama)
-  bool inverse;          // rotate by -angle: the backward pass (the rotation's transpose)
+  DType dtype;       // of x and y
+  bool interleaved;  // pairs (2i, 2i + 1) (GPT-J); else (i, i + rotary_dim / 2) (Llama)
+  bool inverse;      // rotate by -angle: the backward pass (the rotation's transpose)
   int64_t rows;
   int64_t seq;
   int64_t heads;
   int64_t dim;
-  int64_t rotary_dim;    // even, <= dim; features [rotary_dim, dim) are copied unchanged
-  int64_t pos_rows;      // >= 1, divides rows (when rows > 0)
+  int64_t rotary_dim;  // even, <= dim; features [rotary_dim, dim) are copied unchanged
+  int64_t pos_rows;    // >= 1, divides rows (when rows > 0)
   const void* x;
   const int32_t* positions;
   void* y;
-  double log2_theta;     // inv_freq_i = 2^(-(2 i / rotary_dim) * log2_theta)
+  double log2_theta;  // inv_freq_i = 2^(-(2 i / rotary_dim) * log2_theta)
 };
 
 }  // namespace jaxgpu

@@ -44,9 +44,8 @@ cudaError_t LaunchSoftmaxBwd(const SoftmaxBwdParams& p, cudaStream_t stream) {
   a.fast = p.rows < (int64_t(1) << 31);
   if (a.fast) a.query = MakeFastDiv(std::max<int64_t>(p.query_len, 1));
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
-    return JAXGPU_BOOL_SWITCH(p.causal, kCausal, [&] {
-      return softmax::LaunchBwd<T, kCausal>(a, stream);
-    });
+    return JAXGPU_BOOL_SWITCH(p.causal, kCausal,
+                              [&] { return softmax::LaunchBwd<T, kCausal>(a, stream); });
   });
 }
 

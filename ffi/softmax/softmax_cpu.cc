@@ -75,8 +75,8 @@ void SoftmaxBwd(const SoftmaxBwdParams& p) {
     double dot = 0.0;
     for (int64_t j = 0; j < n; ++j) dot += double(dy[j]) * double(y[j]);
     for (int64_t j = 0; j < S; ++j) {
-      dx[j] = j < n ? static_cast<float>(double(p.scale) * double(y[j]) * (double(dy[j]) - dot))
-                    : 0.f;
+      dx[j] =
+          j < n ? static_cast<float>(double(p.scale) * double(y[j]) * (double(dy[j]) - dot)) : 0.f;
     }
     StoreFloats(p.dx, p.dtype, base, S, dx.data());
   }

@@ -136,8 +136,8 @@ __device__ __forceinline__ void ToFloats(const Vec<T, VEC>& v, float (&f)[VEC]) 
 // registers then shared for scalars. The thread later reads only what it copied, so no
 // barrier is needed, only CpAsyncWait.
 template <typename T, int VEC, int VPT, bool kAsync, int kArrays>
-__device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int64_t base,
-                                         T* dst, int S, int lim, int tpr, bool valid) {
+__device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int64_t base, T* dst,
+                                         int S, int lim, int tpr, bool valid) {
   if constexpr (kAsync) {
 #pragma unroll
     for (int k = 0; k < VPT; ++k) {
@@ -176,6 +176,8 @@ __device__ __forceinline__ void StageRow(const void* const (&src)[kArrays], int6
 // 1024 threads the backward one spilled). Budgets of the forward kernels:
 // softmax_fwd_kernels.cuh.
 template <int VEC>
-constexpr int StagedMaxThreads() { return VEC == 1 ? 512 : kMaxThreads; }
+constexpr int StagedMaxThreads() {
+  return VEC == 1 ? 512 : kMaxThreads;
+}
 
 }  // namespace jaxgpu::cuda::softmax

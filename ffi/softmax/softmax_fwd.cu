@@ -30,7 +30,7 @@ FwdArgs MakeFwdArgs(const SoftmaxFwdParams& p) {
 struct OnePassConfig {
   bool fits;  // at most 8 vectors a thread, and at most 4 above 512 threads
   int tpr;
-  int vpt;    // vectors a thread owns, rounded up to 2, 4 or 8 (a template parameter)
+  int vpt;  // vectors a thread owns, rounded up to 2, 4 or 8 (a template parameter)
   int rows_per_block;
 };
 
@@ -73,8 +73,8 @@ cudaError_t LaunchFwd(const FwdArgs& a, cudaStream_t stream) {
     const StagedConfig c = ChooseStaged(S, kFull, sizeof(T), 1, TunedVpt(0, 4));
     if (c.staged) {
       return JAXGPU_INT_SWITCH(c.vpt, VPT, (2, 4, 8), [&] {
-        return LaunchStaged(SoftmaxFwdStaged<T, kFull, VPT, true, kCausal, kMask>, c, a.p.rows,
-                            a, stream);
+        return LaunchStaged(SoftmaxFwdStaged<T, kFull, VPT, true, kCausal, kMask>, c, a.p.rows, a,
+                            stream);
       });
     }
     return LaunchLoop(SoftmaxFwdLoop<T, kFull, kCausal, kMask>, a.p.rows, a, stream);
@@ -96,9 +96,8 @@ cudaError_t LaunchSoftmaxFwd(const SoftmaxFwdParams& p, cudaStream_t stream) {
   const softmax::FwdArgs a = softmax::MakeFwdArgs(p);
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     return JAXGPU_BOOL_SWITCH(p.causal, kCausal, [&] {
-      return JAXGPU_BOOL_SWITCH(p.mask != nullptr, kMask, [&] {
-        return softmax::LaunchFwd<T, kCausal, kMask>(a, stream);
-      });
+      return JAXGPU_BOOL_SWITCH(p.mask != nullptr, kMask,
+                                [&] { return softmax::LaunchFwd<T, kCausal, kMask>(a, stream); });
     });
   });
 }

@@ -48,8 +48,8 @@ __global__ void __launch_bounds__(StagedMaxThreads<VEC>(),
   // While the copies are in flight: which of this thread's elements are kept.
   uint64_t keep = ~uint64_t(0);
   if constexpr (kKeep) {
-    keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step,
-                                                 valid);
+    keep =
+        RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step, valid);
   }
   if constexpr (kAsync) CpAsyncWait<0>();
 

@@ -35,7 +35,9 @@ constexpr int kOnePassScratchFloats = 4 * 2 * 32;
 // 8 vectors a thread (64 floats of exps) need more than the 64 registers a thread of a
 // 1024-thread block may have: those blocks stop at 512 threads (128 registers).
 template <int VPT>
-constexpr int OnePassMaxThreads() { return VPT > 4 ? 512 : kMaxThreads; }
+constexpr int OnePassMaxThreads() {
+  return VPT > 4 ? 512 : kMaxThreads;
+}
 
 // 1/s for a row's sum of exps s: in [1, 2^31) (its largest term is exp(0)), or NaN. MUFU.RCP
 // and one Newton step (< 1 ulp): `1.f / s` would add a call to the IEEE division's slow path,
@@ -180,8 +182,8 @@ __global__ void __launch_bounds__(OnePassMaxThreads<VPT>())
   }
   uint64_t keep = ~uint64_t(0);
   if constexpr (kKeep) {
-    keep = RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step,
-                                                 valid);
+    keep =
+        RowKeepBits<VEC, VPT, kCausal, kMask>(a, r, p.mask + r.mask_off, lim, first, step, valid);
   }
   auto load = [&](int k, float (&f)[VEC]) { Unpack<T, VEC>(v[k], f); };
   OnePassRow<T, VEC, VPT, kKeep>(load, keep, lim, S, p.scale, p.y, base, valid, scratch, tpr);

@@ -24,22 +24,22 @@
 namespace jaxgpu {
 
 // Binding prefixes: the backend-specific handler appends its context (stream).
-#define JAXGPU_SOFTMAX_FWD_BINDING(BIND)                                           \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* x */                               \
-      .Arg<::xla::ffi::AnyBuffer>()          /* mask */                            \
-      .Ret<::xla::ffi::AnyBuffer>()          /* y */                               \
-      .Attr<float>("scale")                  /* scale */                           \
-      .Attr<bool>("causal")                  /* causal */                          \
-      .Attr<bool>("has_mask")                /* has_mask */                        \
-      .Attr<int64_t>("query_len")            /* query_len */
+#define JAXGPU_SOFTMAX_FWD_BINDING(BIND)           \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */        \
+      .Arg<::xla::ffi::AnyBuffer>() /* mask */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */        \
+      .Attr<float>("scale")         /* scale */    \
+      .Attr<bool>("causal")         /* causal */   \
+      .Attr<bool>("has_mask")       /* has_mask */ \
+      .Attr<int64_t>("query_len")   /* query_len */
 
-#define JAXGPU_SOFTMAX_BWD_BINDING(BIND)                                           \
-  BIND.Arg<::xla::ffi::AnyBuffer>()          /* y */                               \
-      .Arg<::xla::ffi::AnyBuffer>()          /* dy */                              \
-      .Ret<::xla::ffi::AnyBuffer>()          /* dx */                              \
-      .Attr<float>("scale")                  /* scale */                           \
-      .Attr<bool>("causal")                  /* causal */                          \
-      .Attr<int64_t>("query_len")            /* query_len */
+#define JAXGPU_SOFTMAX_BWD_BINDING(BIND)         \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* y */      \
+      .Arg<::xla::ffi::AnyBuffer>() /* dy */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* dx */     \
+      .Attr<float>("scale")         /* scale */  \
+      .Attr<bool>("causal")         /* causal */ \
+      .Attr<int64_t>("query_len")   /* query_len */
 
 inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
                                        ffi::Result<ffi::AnyBuffer> y, float scale, bool causal,
@@ -79,8 +79,8 @@ inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
     int64_t count = 1;
     for (int k = rank - 1; k >= 0; --k) {
       if (md[k] != 1 && md[k] != dims[k]) {
-        return ffi::Error::InvalidArgument("mask: dim " + std::to_string(k) +
-                                           " must be 1 or " + std::to_string(dims[k]));
+        return ffi::Error::InvalidArgument("mask: dim " + std::to_string(k) + " must be 1 or " +
+                                           std::to_string(dims[k]));
       }
       stride[k] = count;
       count *= md[k];
@@ -103,8 +103,10 @@ inline ffi::Error MakeSoftmaxFwdParams(ffi::AnyBuffer x, ffi::AnyBuffer mask,
         continue;
       }
       if (nd == kSoftmaxMaxDims) {
-        return ffi::Error::InvalidArgument("mask: its broadcast pattern over x alternates more "
-                                           "than " + std::to_string(kSoftmaxMaxDims) + " times");
+        return ffi::Error::InvalidArgument(
+            "mask: its broadcast pattern over x alternates more "
+            "than " +
+            std::to_string(kSoftmaxMaxDims) + " times");
       }
       p->dims[nd] = dims[k];
       p->mask_strides[nd] = s;

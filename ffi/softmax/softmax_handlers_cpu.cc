@@ -9,8 +9,7 @@ namespace {
 ffi::Error SoftmaxFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer mask, ffi::Result<ffi::AnyBuffer> y,
                          float scale, bool causal, bool has_mask, int64_t query_len) {
   SoftmaxFwdParams p;
-  JAXGPU_RETURN_IF_ERROR(
-      MakeSoftmaxFwdParams(x, mask, y, scale, causal, has_mask, query_len, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxFwdParams(x, mask, y, scale, causal, has_mask, query_len, &p));
   cpu::SoftmaxFwd(p);
   return ffi::Error::Success();
 }

@@ -15,8 +15,7 @@ ffi::Error SoftmaxFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           ffi::Result<ffi::AnyBuffer> y, float scale, bool causal, bool has_mask,
                           int64_t query_len) {
   SoftmaxFwdParams p;
-  JAXGPU_RETURN_IF_ERROR(
-      MakeSoftmaxFwdParams(x, mask, y, scale, causal, has_mask, query_len, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeSoftmaxFwdParams(x, mask, y, scale, causal, has_mask, query_len, &p));
   return CudaStatus(cuda::LaunchSoftmaxFwd(p, stream), "softmax forward launch");
 }
 

@@ -56,7 +56,7 @@ inline int TunedVpt(int which, int fallback) {
 struct StagedConfig {
   bool staged;
   int tpr;
-  int vpt;             // vectors a thread owns, rounded up to 2, 4 or 8 (a template parameter)
+  int vpt;  // vectors a thread owns, rounded up to 2, 4 or 8 (a template parameter)
   int rows_per_block;
   int64_t smem;
 };

@@ -105,8 +105,8 @@ __device__ __forceinline__ bool RowOn(const FwdArgs& a, const RowInfo& r) {
 // k * VEC + j for its element j): one bit per element, at most 8 vectors of at most 8 elements.
 template <int VEC, int VPT, bool kCausal, bool kMask>
 __device__ __forceinline__ uint64_t RowKeepBits(const FwdArgs& a, const RowInfo& r,
-                                                const uint8_t* mrow, int lim, int first,
-                                                int step, bool valid) {
+                                                const uint8_t* mrow, int lim, int first, int step,
+                                                bool valid) {
   static_assert(VEC * VPT <= 64, "keep bits must fit in 64 bits");
   uint64_t keep = 0;
   if (valid) {

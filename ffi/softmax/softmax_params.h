@@ -27,28 +27,28 @@ namespace jaxgpu {
 constexpr int kSoftmaxMaxDims = 8;
 
 struct SoftmaxFwdParams {
-  DType dtype;              // of x and y
+  DType dtype;  // of x and y
   int64_t rows;
-  int64_t cols;             // S, < 2^31
-  int64_t query_len;        // T: the query index of a row is row % T (causal only)
-  bool causal;              // keep (i, j) only when j <= i (top-left aligned, as jnp.tril)
-  float scale;              // the logits are x * scale
+  int64_t cols;       // S, < 2^31
+  int64_t query_len;  // T: the query index of a row is row % T (causal only)
+  bool causal;        // keep (i, j) only when j <= i (top-left aligned, as jnp.tril)
+  float scale;        // the logits are x * scale
   const void* x;
   void* y;
-  const uint8_t* mask;      // bool, nullptr: none
-  int ndims;                // row-dim groups of the mask's index map, 1..kSoftmaxMaxDims
-  int64_t dims[kSoftmaxMaxDims];          // sizes of the groups (their product is rows)
+  const uint8_t* mask;            // bool, nullptr: none
+  int ndims;                      // row-dim groups of the mask's index map, 1..kSoftmaxMaxDims
+  int64_t dims[kSoftmaxMaxDims];  // sizes of the groups (their product is rows)
   int64_t mask_strides[kSoftmaxMaxDims];  // mask elements per index step; 0 = broadcast
-  int64_t mask_col_stride;  // 1, or 0 when the mask is broadcast along S
+  int64_t mask_col_stride;                // 1, or 0 when the mask is broadcast along S
 };
 
 struct SoftmaxBwdParams {
-  DType dtype;              // of y, dy and dx
+  DType dtype;  // of y, dy and dx
   int64_t rows;
   int64_t cols;
-  int64_t query_len;        // T (causal only)
-  bool causal;              // y is 0 past key i of query i: neither read there, dx = 0
-  float scale;              // dx = scale * y * (dy - sum(dy * y))
+  int64_t query_len;  // T (causal only)
+  bool causal;        // y is 0 past key i of query i: neither read there, dx = 0
+  float scale;        // dx = scale * y * (dy - sum(dy * y))
   const void* y;
   const void* dy;
   void* dx;

@@ -3,8 +3,8 @@
 
 #include "common/targets.h"
 
-#define JAXGPU_SOFTMAX_TARGETS(X)              \
-  X("jaxgpu_softmax_fwd", JaxgpuSoftmaxFwd)    \
+#define JAXGPU_SOFTMAX_TARGETS(X)           \
+  X("jaxgpu_softmax_fwd", JaxgpuSoftmaxFwd) \
   X("jaxgpu_softmax_bwd", JaxgpuSoftmaxBwd)
 
 JAXGPU_SOFTMAX_TARGETS(JAXGPU_DECLARE_HANDLERS)

@@ -131,7 +131,9 @@ def _check_labels_in_range(op: str, labels, vocab: int, ignore_index) -> None:
     bad &= lab != ignore_index
   if bad.any():
     where = np.unravel_index(int(np.argmax(bad)), lab.shape) if lab.ndim else ()
-    allowed = f"[0, {vocab})" + ("" if ignore_index is None else f" or {ignore_index} (ignore_index)")
+    allowed = f"[0, {vocab})"
+    if ignore_index is not None:
+      allowed += f" or {ignore_index} (ignore_index)"
     raise ValueError(f"{op}: labels must be in {allowed}; got {lab[where]!r} at index "
                      f"{tuple(int(i) for i in where)} ({int(bad.sum())} out of range)")
 

@@ -45,8 +45,7 @@ struct DqTraits {
 };
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(Tr::kThreads)
-    DqKernel(AttentionParams p, LogitScale ls) {
+__global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, LogitScale ls) {
   constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
@@ -97,12 +96,10 @@ __global__ void __launch_bounds__(Tr::kThreads)
     if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
   };
   if (n_begin < n_end) {
-    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, static_cast<const T*>(p.q) + off.q +
-                                                      m0 * off.q_ld,
-                                              off.q_ld, mask.q_len - m0, H);
-    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + off.q +
-                                                       m0 * off.q_ld,
-                                              off.q_ld, mask.q_len - m0, H);
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(
+        sq, static_cast<const T*>(p.q) + off.q + m0 * off.q_ld, off.q_ld, mask.q_len - m0, H);
+    LoadTileAsync<kM, kHeadDim, Tr::kThreads>(
+        sdo, static_cast<const T*>(p.d_o) + off.q + m0 * off.q_ld, off.q_ld, mask.q_len - m0, H);
     if (segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
     load_kv(n_begin, 0);
     CpAsyncCommit();
@@ -117,9 +114,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
       CpAsyncCommit();
     }
     if (walk.WarpSkips(n0, kN)) continue;
-    const TileMasking tm = DecideMasking<kMaskable>(mask, segments, row0, row1, n0, n0 + kN - 1,
-                                                    sq_seg + warp * kMT * 16, kMT * 16,
-                                                    skv_seg + buf * kN, kN, lane);
+    const TileMasking tm =
+        DecideMasking<kMaskable>(mask, segments, row0, row1, n0, n0 + kN - 1,
+                                 sq_seg + warp * kMT * 16, kMT * 16, skv_seg + buf * kN, kN, lane);
     if (tm.skip) continue;
     float s[kMT][kN / 8][4], dp[kMT][kN / 8][4];
     Zero(s);
@@ -134,8 +131,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
       for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
-          ProbsAndGrads<kSoftcap>(s[mi][j][e], dp[mi][j][e], lse2[mi][e >> 1],
-                                  delta[mi][e >> 1], ls);
+          ProbsAndGrads<kSoftcap>(s[mi][j][e], dp[mi][j][e], lse2[mi][e >> 1], delta[mi][e >> 1],
+                                  ls);
         }
       }
     }
@@ -189,8 +186,7 @@ struct DkvTraits {
 };
 
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
-__global__ void __launch_bounds__(Tr::kThreads)
-    DkvKernel(AttentionParams p, LogitScale ls) {
+__global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, LogitScale ls) {
   constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM, kAcc = Tr::kAccDim;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
@@ -341,8 +337,8 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const float mul = probs_warp ? 1.f : ls.scale;
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi) {
-    StoreAccumulator<T, kAcc>(dst, off0.kv_ld, acc[mi], mul, pair_row0 + 16 * mi,
-                              mask.kv_len - n0, col0, H, lane);
+    StoreAccumulator<T, kAcc>(dst, off0.kv_ld, acc[mi], mul, pair_row0 + 16 * mi, mask.kv_len - n0,
+                              col0, H, lane);
   }
 }
 
@@ -354,8 +350,8 @@ cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
       // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, kMaskable, kSoftcap>,
-                                                   p, stream);
+          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, kMaskable, kSoftcap>, p,
+                                                   stream);
         });
       });
     });
@@ -369,8 +365,8 @@ cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
       // need none (its keys past S are rows it never stores, its queries past T get p = 0).
       return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
         return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return LaunchOverKeyTiles<DkvTraits<D>>(
-              DkvKernel<T, DkvTraits<D>, kMaskable, kSoftcap>, p, stream);
+          return LaunchOverKeyTiles<DkvTraits<D>>(DkvKernel<T, DkvTraits<D>, kMaskable, kSoftcap>,
+                                                  p, stream);
         });
       });
     });

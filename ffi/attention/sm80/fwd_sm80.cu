@@ -104,9 +104,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
       CpAsyncCommit();
     }
     if (walk.WarpSkips(n0, kN)) continue;
-    const TileMasking tm = DecideMasking<kMaskable>(
-        mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1, sq_seg + warp * kMT * 16,
-        kMT * 16, skv_seg + buf * kN, kN, lane);
+    const TileMasking tm =
+        DecideMasking<kMaskable>(mask, segments, warp_row0, warp_row1, n0, n0 + kN - 1,
+                                 sq_seg + warp * kMT * 16, kMT * 16, skv_seg + buf * kN, kN, lane);
     if (tm.skip) continue;
 
     float acc_s[kMT][kN / 8][4];
@@ -130,7 +130,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   }
 
   StoreOutputRows<T, kMT, kHeadDim>(o, lse, off.q_ld, acc_o, row_max, row_sum, ls.fold,
-                                     warp * kMT * 16, m0, mask.q_len, H, lane);
+                                    warp * kMT * 16, m0, mask.q_len, H, lane);
 }
 
 }  // namespace

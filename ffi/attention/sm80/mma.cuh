@@ -32,8 +32,8 @@ struct MmaType;
 
 template <>
 struct MmaType<__nv_bfloat16> {
-  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -44,8 +44,8 @@ struct MmaType<__nv_bfloat16> {
 
 template <>
 struct MmaType<__half> {
-  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4],
-                                             uint32_t b0, uint32_t b1) {
+  __device__ __forceinline__ static void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                             uint32_t b1) {
     asm volatile(
         "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
         "{%8,%9}, {%0,%1,%2,%3};\n"
@@ -79,8 +79,7 @@ __device__ __forceinline__ void LoadA(uint32_t (&a)[4], const T* tile, int row0,
 // Q K^T): rows [n0, n0 + 16) x k columns [k0, k0 + 16). b[0], b[1]: n-tile n0; b[2], b[3]:
 // n-tile n0 + 8.
 template <int kDim, typename T>
-__device__ __forceinline__ void LoadBNk(uint32_t (&b)[4], const T* tile, int n0, int k0,
-                                        int lane) {
+__device__ __forceinline__ void LoadBNk(uint32_t (&b)[4], const T* tile, int n0, int k0, int lane) {
   const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
   const int col = k0 + (((lane >> 3) & 1) << 3);
   Ldmatrix4(b, SmemAddress(tile + row * SmemTile<kDim>::kStride + col));
@@ -89,8 +88,7 @@ __device__ __forceinline__ void LoadBNk(uint32_t (&b)[4], const T* tile, int n0,
 // B fragments of two n-tiles when the tile is stored (k, n) row-major (n contiguous: V for
 // P V): k rows [k0, k0 + 16) x columns [n0, n0 + 16). Same register order as LoadBNk.
 template <int kDim, typename T>
-__device__ __forceinline__ void LoadBKn(uint32_t (&b)[4], const T* tile, int k0, int n0,
-                                        int lane) {
+__device__ __forceinline__ void LoadBKn(uint32_t (&b)[4], const T* tile, int k0, int n0, int lane) {
   const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
   const int col = n0 + ((lane >> 4) << 3);
   Ldmatrix4Trans(b, SmemAddress(tile + row * SmemTile<kDim>::kStride + col));
@@ -117,8 +115,8 @@ __device__ __forceinline__ T* PairTile(T* base, int buf, int which) {
 // Copies rows [row0, row0 + kRows) of two global matrices a and b (same row stride ld,
 // `valid` rows in all) into buffer `buf` of a pair (see LoadTileAsync for the tails).
 template <int kRows, int kDim, int kThreads, typename T>
-__device__ __forceinline__ void LoadPairAsync(T* base, int buf, const T* a, const T* b,
-                                              int64_t ld, int row0, int valid, int dim) {
+__device__ __forceinline__ void LoadPairAsync(T* base, int buf, const T* a, const T* b, int64_t ld,
+                                              int row0, int valid, int dim) {
   LoadTileAsync<kRows, kDim, kThreads>(PairTile<kRows, kDim>(base, buf, 0), a + row0 * ld, ld,
                                        valid - row0, dim);
   LoadTileAsync<kRows, kDim, kThreads>(PairTile<kRows, kDim>(base, buf, 1), b + row0 * ld, ld,

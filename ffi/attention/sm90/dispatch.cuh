@@ -35,9 +35,8 @@ cudaError_t Dispatch(const AttentionParams& p, Launch&& launch) {
             return launch(Config<T, Tr, true, kSoftcap, true>{});
           }
         }
-        return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-          return launch(Config<T, Tr, kMaskable, kSoftcap>{});
-        });
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable,
+                                  [&] { return launch(Config<T, Tr, kMaskable, kSoftcap>{}); });
       });
     };
     // The wgmma main loop's unavailable() admits only these; anything else is an error.

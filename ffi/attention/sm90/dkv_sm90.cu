@@ -94,8 +94,8 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
 
   // The query tiles the CTA walks, and the span this warpgroup's keys see (its skips are
   // whole-warpgroup decisions: wgmma runs on all 4 warps together).
-  const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, group_key0,
-                                            min(group_key0 + 64, mask.kv_len) - 1, kM);
+  const TileWalk walk =
+      MakeTileWalk<false>(mask, n0, n_last, group_key0, min(group_key0 + 64, mask.kv_len) - 1, kM);
   const int m_begin = walk.begin, m_count = walk.end - walk.begin;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
 
@@ -107,8 +107,7 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
   const uint64_t do_desc = sm90::SwizzledDescriptor(sqdo + QTile::kBytes, 16, 1024);
   // The MN-major ones start at this CTA's slice: kAcc / 64 column blocks in.
   const int slice_bytes = slice * (kAcc / 64) * QTile::kBlockBytes;
-  const uint64_t q_desc_mn =
-      sm90::SwizzledDescriptor(sqdo + slice_bytes, QTile::kBlockBytes, 1024);
+  const uint64_t q_desc_mn = sm90::SwizzledDescriptor(sqdo + slice_bytes, QTile::kBlockBytes, 1024);
   const uint64_t do_desc_mn =
       sm90::SwizzledDescriptor(sqdo + QTile::kBytes + slice_bytes, QTile::kBlockBytes, 1024);
   constexpr uint64_t kBufferStep = 2 * QTile::kBytes / 16;
@@ -122,9 +121,8 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
     unsigned char* dst = sqdo + 2 * c.buf * QTile::kBytes;
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst, q + head + m0 * off0.q_ld, off0.q_ld,
                                                   mask.q_len - m0, H);
-    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst + QTile::kBytes,
-                                                  d_o + head + m0 * off0.q_ld, off0.q_ld,
-                                                  mask.q_len - m0, H);
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(dst + QTile::kBytes, d_o + head + m0 * off0.q_ld,
+                                                  off0.q_ld, mask.q_len - m0, H);
     words.LoadStep(c.buf, p, mask, segments, stats, m0, m0_next);
   };
   // One copy group per step (empty past the last step), so that "step i's copies are done"
@@ -206,11 +204,10 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
     uint32_t p_frags[kParts][kPart / 16][1][4], ds_frags[kParts][kPart / 16][1][4];
     auto part = [&](int h) {  // h is a constant where inlined
       const int c0 = h * kPart;
-      auto& sh = *reinterpret_cast<float(*)[1][kPart / 8][4]>(&s[0][h * (kPart / 8)]);
-      auto& dph = *reinterpret_cast<float(*)[1][kPart / 8][4]>(&dp[0][h * (kPart / 8)]);
-      ToLogits<true, kPart, kSoftcap>(sh[0], ls, mask, tm.masked, warp_key0, m0 + c0,
-                                      tm.RowSeg(0), tm.col_seg ? tm.col_seg + c0 : nullptr,
-                                      lane);
+      auto& sh = *reinterpret_cast<float (*)[1][kPart / 8][4]>(&s[0][h * (kPart / 8)]);
+      auto& dph = *reinterpret_cast<float (*)[1][kPart / 8][4]>(&dp[0][h * (kPart / 8)]);
+      ToLogits<true, kPart, kSoftcap>(sh[0], ls, mask, tm.masked, warp_key0, m0 + c0, tm.RowSeg(0),
+                                      tm.col_seg ? tm.col_seg + c0 : nullptr, lane);
       // Column (query) statistics of columns c0 + 8 j + 2 t + c; queries past T get lse =
       // +inf (p = 0; their Q and dO rows are zeros anyway).
 #pragma unroll
@@ -245,8 +242,8 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
   // dK times the softmax scale: dS was taken with respect to the scaled logits.
   const int64_t out = off0.kv + n0 * off0.kv_ld;
   const int col0 = slice * kAcc;
-  StoreAccumulator<T, kAcc>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f,
-                            local_key0, mask.kv_len - n0, col0, H, lane);
+  StoreAccumulator<T, kAcc>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f, local_key0,
+                            mask.kv_len - n0, col0, H, lane);
   StoreAccumulator<T, kAcc>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale,
                             local_key0, mask.kv_len - n0, col0, H, lane);
 #endif
@@ -255,8 +252,7 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
 // kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
 // all one segment runs the body compiled without the mask.
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    DkvSm90Kernel(AttentionParams p, LogitScale ls) {
+__global__ void __launch_bounds__(Tr::kThreads, 1) DkvSm90Kernel(AttentionParams p, LogitScale ls) {
   if constexpr (kRowSplit) {
     const int n_blocks = static_cast<int>(CeilDiv(p.kv_len, Tr::kBlockN));
     if (RowMasksNothing(p, DecodeKeyTile<false>(p, blockIdx.x / Tr::kSlices, n_blocks).b)) {
@@ -274,8 +270,7 @@ cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90DkvTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverKeyTiles<typename C::Traits>(
-        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
-                      C::kRowSplit>,
+        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit>,
         p, stream);
   });
 }

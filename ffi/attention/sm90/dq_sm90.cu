@@ -32,8 +32,8 @@ namespace {
 // two 128-column products).
 template <int kHeadDim>
 struct Sm90DqTraits
-    : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2,
-                            3, true> {};
+    : sm90::QueryTileTraits<kHeadDim, kHeadDim <= 64 ? 128 : (kHeadDim <= 128 ? 64 : 32), 2, 3,
+                            true> {};
 
 // One CTA's work (kMaskable: with the per-tile mask decisions and the per-element mask).
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
@@ -48,7 +48,7 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
   unsigned char* sdo = smem + QTile::kBytes;
   unsigned char* skv = smem + Tr::kKVOffset;  // [buffer][K, V]
   int32_t* sq_seg = reinterpret_cast<int32_t*>(smem + Tr::kSegOffset);
-  int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]: the buffer's key tile
+  int32_t* skv_seg = sq_seg + kM;               // [buffer][kN]: the buffer's key tile
   int32_t* skv_seg_next = skv_seg + kBuf * kN;  // [buffer][kN]: the tile after it
 
   const int lane = threadIdx.x & 31;
@@ -92,8 +92,8 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
   };
   if (n_begin < n_end) {
     const int64_t first = off.q + m0 * off.q_ld;
-    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, static_cast<const T*>(p.q) + first,
-                                                  off.q_ld, mask.q_len - m0, rows.dim);
+    sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sq, static_cast<const T*>(p.q) + first, off.q_ld,
+                                                  mask.q_len - m0, rows.dim);
     sm90::LoadSwizzledAsync<kM, kD, Tr::kThreads>(sdo, static_cast<const T*>(p.d_o) + first,
                                                   off.q_ld, mask.q_len - m0, rows.dim);
     if (rows.segments) LoadRowWordsAsync(sq_seg, mask.q_seg, m0, mask.q_len, kM);
@@ -165,8 +165,8 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
       sm90::KeepOrder(s[0]);
       sm90::KeepOrder(dp[0]);
 
-      ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, rows.warp_row0, n0,
-                                    tm.RowSeg(0), tm.col_seg, lane);
+      ToLogits<false, kN, kSoftcap>(s[0], ls, mask, tm.masked, rows.warp_row0, n0, tm.RowSeg(0),
+                                    tm.col_seg, lane);
 #pragma unroll
       for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
@@ -199,8 +199,7 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
 // kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
 // all one segment runs the body compiled without the mask.
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
-__global__ void __launch_bounds__(Tr::kThreads, 1)
-    DqSm90Kernel(AttentionParams p, LogitScale ls) {
+__global__ void __launch_bounds__(Tr::kThreads, 1) DqSm90Kernel(AttentionParams p, LogitScale ls) {
   if constexpr (kRowSplit) {
     if (RowMasksNothing(p, DecodeQueryTile<false>(p, Tr::kBlockM).b)) {
       DqSm90Cta<T, Tr, false, kSoftcap>(p, ls);
@@ -217,9 +216,8 @@ cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90DqTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
-        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
-                     C::kRowSplit>,
-        p, stream);
+        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit>, p,
+        stream);
   });
 }
 

@@ -76,8 +76,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   // * 2 further, in 16-byte units).
   const uint64_t q_desc = sm90::SwizzledDescriptor(sq + 64 * rows.group * 128, 16, 1024);
   const uint64_t k_desc = sm90::SwizzledDescriptor(skv, 16, 1024);
-  const uint64_t v_desc =
-      sm90::SwizzledDescriptor(skv + KVTile::kBytes, KVTile::kBlockBytes, 1024);
+  const uint64_t v_desc = sm90::SwizzledDescriptor(skv + KVTile::kBytes, KVTile::kBlockBytes, 1024);
   constexpr uint64_t kBufferStep = 2 * KVTile::kBytes / 16;
 
   // Software pipeline within a warpgroup: tile i's S = Q K_i^T and tile i-1's O += P V_{i-1}
@@ -131,8 +130,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
                                     n0 + kN - 1, sq_seg + rows.local_row0, 16,
                                     skv_seg + ((nb - n_begin) & 1) * kN, kN, lane);
     }
-    ToLogits<false, kN, kSoftcap, kFwdTanhF32>(acc_s[0], ls, mask, tm.masked, rows.warp_row0,
-                                               n0, tm.RowSeg(0), tm.col_seg, lane);
+    ToLogits<false, kN, kSoftcap, kFwdTanhF32>(acc_s[0], ls, mask, tm.masked, rows.warp_row0, n0,
+                                               tm.RowSeg(0), tm.col_seg, lane);
     if constexpr (kBounded) {
       BoundedSoftmax<kN>(acc_s[0], row_sum[0], ls);
     } else {
@@ -215,10 +214,9 @@ cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90FwdTraits>(p, [&](auto config) {
     using C = decltype(config);
     return JAXGPU_BOOL_SWITCH(bounded, kBounded, [&] {
-      return LaunchOverQueryTiles<typename C::Traits>(
-          AttentionFwdSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
-                                 C::kSoftcap && kBounded>,
-          p, stream);
+      return LaunchOverQueryTiles<typename C::Traits>(AttentionFwdSm90Kernel < typename C::T,
+                                                      typename C::Traits, C::kMaskable, C::kSoftcap,
+                                                      C::kSoftcap && kBounded >, p, stream);
     });
   });
 }

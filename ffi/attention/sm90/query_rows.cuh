@@ -42,11 +42,11 @@ struct QueryRows {
   QueryTile tile;
   HeadOffsets off;
   Mask mask;
-  bool segments;              // segment ids to compare (kMaskable kernels only)
-  int dim;                    // H
-  int m0, m_last;             // the tile's first and last query (clamped to T)
-  int warp_row0, warp_row1;   // the warp's first and last query (clamped to T)
-  TileWalk walk;              // kBlockN-key tiles: the CTA's, and the warpgroup's span
+  bool segments;             // segment ids to compare (kMaskable kernels only)
+  int dim;                   // H
+  int m0, m_last;            // the tile's first and last query (clamped to T)
+  int warp_row0, warp_row1;  // the warp's first and last query (clamped to T)
+  TileWalk walk;             // kBlockN-key tiles: the CTA's, and the warpgroup's span
 };
 
 template <int kBlockM, int kBlockN, bool kMaskable>

@@ -134,27 +134,26 @@ __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 #define JAXGPU_WGMMA_RS_IN_N32 "{%16, %17, %18, %19}, %20"
 #define JAXGPU_WGMMA_RS_FLAG_N32 "%21"
 
-#define JAXGPU_WGMMA_REGS_N64 \
+#define JAXGPU_WGMMA_REGS_N64                                               \
   "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}"
-#define JAXGPU_WGMMA_OUT_N64(d)                                                 \
-  JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), JAXGPU_WGMMA_D4(d, 2),          \
-      JAXGPU_WGMMA_D4(d, 3), JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5),      \
-      JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7)
+#define JAXGPU_WGMMA_OUT_N64(d)                                                               \
+  JAXGPU_WGMMA_D4(d, 0), JAXGPU_WGMMA_D4(d, 1), JAXGPU_WGMMA_D4(d, 2), JAXGPU_WGMMA_D4(d, 3), \
+      JAXGPU_WGMMA_D4(d, 4), JAXGPU_WGMMA_D4(d, 5), JAXGPU_WGMMA_D4(d, 6), JAXGPU_WGMMA_D4(d, 7)
 #define JAXGPU_WGMMA_SS_IN_N64 "%32, %33"
 #define JAXGPU_WGMMA_SS_FLAG_N64 "%34"
 #define JAXGPU_WGMMA_RS_IN_N64 "{%32, %33, %34, %35}, %36"
 #define JAXGPU_WGMMA_RS_FLAG_N64 "%37"
 
-#define JAXGPU_WGMMA_REGS_N128 \
-  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, " \
+#define JAXGPU_WGMMA_REGS_N128                                                        \
+  "{%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, "           \
   " %16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, " \
   " %32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47, " \
   " %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63}"
-#define JAXGPU_WGMMA_OUT_N128(d)                                                \
-  JAXGPU_WGMMA_OUT_N64(d), JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9),        \
-      JAXGPU_WGMMA_D4(d, 10), JAXGPU_WGMMA_D4(d, 11), JAXGPU_WGMMA_D4(d, 12),   \
-      JAXGPU_WGMMA_D4(d, 13), JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15)
+#define JAXGPU_WGMMA_OUT_N128(d)                                                                 \
+  JAXGPU_WGMMA_OUT_N64(d), JAXGPU_WGMMA_D4(d, 8), JAXGPU_WGMMA_D4(d, 9), JAXGPU_WGMMA_D4(d, 10), \
+      JAXGPU_WGMMA_D4(d, 11), JAXGPU_WGMMA_D4(d, 12), JAXGPU_WGMMA_D4(d, 13),                    \
+      JAXGPU_WGMMA_D4(d, 14), JAXGPU_WGMMA_D4(d, 15)
 #define JAXGPU_WGMMA_SS_IN_N128 "%64, %65"
 #define JAXGPU_WGMMA_SS_FLAG_N128 "%66"
 #define JAXGPU_WGMMA_RS_IN_N128 "{%64, %65, %66, %67}, %68"
@@ -163,12 +162,13 @@ __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 // d (+)= A B with `accumulate` as the scale-d predicate. FORM SS: A and B by descriptor,
 // both K-major (imm-trans-a, -b = "0, 0"); RS: A from registers, B by descriptor,
 // MN-major (imm-trans-b = "1"). __VA_ARGS__: the inputs before `accumulate`.
-#define JAXGPU_WGMMA_ASM(N, TYPE, FORM, TRANS, ...)                                         \
-  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " JAXGPU_WGMMA_##FORM##_FLAG_N##N ", 0;\n"  \
-               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE " "            \
-               JAXGPU_WGMMA_REGS_N##N ", " JAXGPU_WGMMA_##FORM##_IN_N##N ", p, 1, 1, " TRANS  \
-               ";\n}\n"                                                                      \
-               : JAXGPU_WGMMA_OUT_N##N(d)                                                     \
+#define JAXGPU_WGMMA_ASM(N, TYPE, FORM, TRANS, ...)                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, " JAXGPU_WGMMA_##FORM##_FLAG_N##N               \
+               ", 0;\n"                                                                          \
+               "wgmma.mma_async.sync.aligned.m64n" #N "k16.f32." TYPE "." TYPE                   \
+               " " JAXGPU_WGMMA_REGS_N##N ", " JAXGPU_WGMMA_##FORM##_IN_N##N ", p, 1, 1, " TRANS \
+                                                                             ";\n}\n"            \
+               : JAXGPU_WGMMA_OUT_N##N(d)                                                        \
                : __VA_ARGS__, "r"(static_cast<int>(accumulate)))
 
 // d (+)= A B for a warpgroup's 64 x N tile (N = 32, 64 or 128), k = 16. accumulate = false
@@ -178,8 +178,7 @@ template <typename T, int N>
 struct Wgmma;
 
 #if JAXGPU_WGMMA_DEVICE
-#define JAXGPU_WGMMA_SS(N, TYPE) \
-  JAXGPU_WGMMA_ASM(N, TYPE, SS, "0, 0", "l"(desc_a), "l"(desc_b))
+#define JAXGPU_WGMMA_SS(N, TYPE) JAXGPU_WGMMA_ASM(N, TYPE, SS, "0, 0", "l"(desc_a), "l"(desc_b))
 #define JAXGPU_WGMMA_RS(N, TYPE) \
   JAXGPU_WGMMA_ASM(N, TYPE, RS, "1", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
 #else
@@ -187,17 +186,17 @@ struct Wgmma;
 #define JAXGPU_WGMMA_RS(N, TYPE) (void)0
 #endif
 
-#define JAXGPU_WGMMA_SPECIALIZE(T, TYPE, N)                                                \
-  template <>                                                                              \
-  struct Wgmma<T, N> {                                                                     \
-    __device__ __forceinline__ static void SS(float (&d)[N / 8][4], uint64_t desc_a,       \
-                                              uint64_t desc_b, bool accumulate) {          \
-      JAXGPU_WGMMA_SS(N, TYPE);                                                            \
-    }                                                                                      \
+#define JAXGPU_WGMMA_SPECIALIZE(T, TYPE, N)                                                 \
+  template <>                                                                               \
+  struct Wgmma<T, N> {                                                                      \
+    __device__ __forceinline__ static void SS(float (&d)[N / 8][4], uint64_t desc_a,        \
+                                              uint64_t desc_b, bool accumulate) {           \
+      JAXGPU_WGMMA_SS(N, TYPE);                                                             \
+    }                                                                                       \
     __device__ __forceinline__ static void RS(float (&d)[N / 8][4], const uint32_t (&a)[4], \
-                                              uint64_t desc_b, bool accumulate) {          \
-      JAXGPU_WGMMA_RS(N, TYPE);                                                            \
-    }                                                                                      \
+                                              uint64_t desc_b, bool accumulate) {           \
+      JAXGPU_WGMMA_RS(N, TYPE);                                                             \
+    }                                                                                       \
   };
 
 JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 32)
@@ -211,8 +210,8 @@ JAXGPU_WGMMA_SPECIALIZE(__half, "f16", 128)
 // both K-major SwizzledTiles (a_desc / b_desc: their first rows; column blocks
 // kABlockBytes / kBBlockBytes apart). accumulate = false overwrites acc.
 template <typename T, int kN, int kDim, int kABlockBytes, int kBBlockBytes>
-__device__ __forceinline__ void ProductSS(float (&acc)[kN / 8][4], uint64_t a_desc,
-                                          uint64_t b_desc, bool accumulate) {
+__device__ __forceinline__ void ProductSS(float (&acc)[kN / 8][4], uint64_t a_desc, uint64_t b_desc,
+                                          bool accumulate) {
 #pragma unroll
   for (int kk = 0; kk < kDim / 16; ++kk) {
     // 16 columns are 32 bytes inside a 64-column block (descriptors count 16-byte units).
@@ -237,15 +236,14 @@ __device__ __forceinline__ void ProductRS(float (&acc)[kAcc / 8][4],
 // each piece two 64-column blocks (kBBlockBytes each) further into the MN-major B tile.
 template <typename T, int kAcc, int kK, int kBBlockBytes>
 __device__ __forceinline__ void ProductRSWide(float (&acc)[kAcc / 8][4],
-                                              const uint32_t (&a)[kK / 16][1][4],
-                                              uint64_t b_desc) {
+                                              const uint32_t (&a)[kK / 16][1][4], uint64_t b_desc) {
   if constexpr (kAcc <= 128) {
     ProductRS<T, kAcc, kK>(acc, a, b_desc);
   } else {
     static_assert(kAcc % 128 == 0, "128-column pieces");
 #pragma unroll
     for (int piece = 0; piece < kAcc / 128; ++piece) {
-      ProductRS<T, 128, kK>(*reinterpret_cast<float(*)[16][4]>(&acc[16 * piece]), a,
+      ProductRS<T, 128, kK>(*reinterpret_cast<float (*)[16][4]>(&acc[16 * piece]), a,
                             b_desc + piece * 2 * kBBlockBytes / 16);
     }
   }

@@ -12,9 +12,9 @@ namespace jaxgpu::blas {
 
 bool GemmKey::operator==(const GemmKey& o) const {
   return device == o.device && m == o.m && n == o.n && k == o.k && batch == o.batch &&
-         trans_a == o.trans_a && trans_b == o.trans_b && a_type == o.a_type &&
-         b_type == o.b_type && c_type == o.c_type && d_type == o.d_type &&
-         compute == o.compute && epilogue == o.epilogue && has_bias == o.has_bias &&
+         trans_a == o.trans_a && trans_b == o.trans_b && a_type == o.a_type && b_type == o.b_type &&
+         c_type == o.c_type && d_type == o.d_type && compute == o.compute &&
+         epilogue == o.epilogue && has_bias == o.has_bias &&
          (!has_bias || bias_type == o.bias_type) && has_aux == o.has_aux &&
          (!has_aux || aux_type == o.aux_type) && workspace_bytes == o.workspace_bytes &&
          alignment == o.alignment;
@@ -117,10 +117,10 @@ class Cache {
         !ToCudaDataType(key.c_type, &ct) || !ToCudaDataType(key.d_type, &dt)) {
       return Status::Error("cuBLASLt: an operand dtype has no cuBLASLt type");
     }
-    const cudaDataType_t scale = key.compute == CUBLAS_COMPUTE_32I ||
-                                         key.compute == CUBLAS_COMPUTE_32I_PEDANTIC
-                                     ? CUDA_R_32I
-                                     : CUDA_R_32F;
+    const cudaDataType_t scale =
+        key.compute == CUBLAS_COMPUTE_32I || key.compute == CUBLAS_COMPUTE_32I_PEDANTIC
+            ? CUDA_R_32I
+            : CUDA_R_32F;
     cublasStatus_t s = cublasLtMatmulDescCreate(&p->desc, key.compute, scale);
     if (s != CUBLAS_STATUS_SUCCESS) return Status::Error(LtError("matmul descriptor", s));
     const cublasOperation_t ta = key.trans_a ? CUBLAS_OP_T : CUBLAS_OP_N;
@@ -176,7 +176,8 @@ class Cache {
     const uint64_t workspace = static_cast<uint64_t>(key.workspace_bytes);
     const uint32_t align = static_cast<uint32_t>(key.alignment);
     auto pref_set = [&](cublasLtMatmulPreferenceAttributes_t attr, const void* v, size_t bytes) {
-      if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, bytes);
+      if (s == CUBLAS_STATUS_SUCCESS)
+        s = cublasLtMatmulPreferenceSetAttribute(pref, attr, v, bytes);
     };
     pref_set(CUBLASLT_MATMUL_PREF_MAX_WORKSPACE_BYTES, &workspace, sizeof(workspace));
     pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_A_BYTES, &align, sizeof(align));
@@ -186,8 +187,8 @@ class Cache {
     cublasLtMatmulHeuristicResult_t result{};
     int found = 0;
     if (s == CUBLAS_STATUS_SUCCESS) {
-      s = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, 1,
-                                         &result, &found);
+      s = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, 1, &result,
+                                         &found);
     }
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS) return Status::Error(LtError("algorithm heuristic", s));

@@ -42,21 +42,21 @@ class Status {
 
 // Everything a plan depends on: two calls with equal keys share the plan.
 struct GemmKey {
-  int device = 0;                 // CUDA device ordinal
+  int device = 0;  // CUDA device ordinal
   int64_t m = 0, n = 0, k = 0;
-  int64_t batch = 1;              // matrices per operand, at packed strides
-  bool trans_a = false;           // op(A) = A^T: A is stored k x m
-  bool trans_b = false;           // op(B) = B^T: B is stored n x k
+  int64_t batch = 1;     // matrices per operand, at packed strides
+  bool trans_a = false;  // op(A) = A^T: A is stored k x m
+  bool trans_b = false;  // op(B) = B^T: B is stored n x k
   DType a_type = DType::kBF16, b_type = DType::kBF16;
   DType c_type = DType::kBF16, d_type = DType::kBF16;
   cublasComputeType_t compute = CUBLAS_COMPUTE_32F;  // alpha and beta: float (int32 for 32I)
   cublasLtEpilogue_t epilogue = CUBLASLT_EPILOGUE_DEFAULT;
-  bool has_bias = false;          // a bias vector (an epilogue with BIAS or BGRAD)
+  bool has_bias = false;  // a bias vector (an epilogue with BIAS or BGRAD)
   DType bias_type = DType::kBF16;
-  bool has_aux = false;           // an auxiliary output or input (GELU_AUX, DGELU)
+  bool has_aux = false;  // an auxiliary output or input (GELU_AUX, DGELU)
   DType aux_type = DType::kBF16;
-  int64_t workspace_bytes = 0;    // the workspace every call of this plan passes
-  int alignment = 256;            // bytes every operand pointer is aligned to (power of 2)
+  int64_t workspace_bytes = 0;  // the workspace every call of this plan passes
+  int alignment = 256;          // bytes every operand pointer is aligned to (power of 2)
 
   bool operator==(const GemmKey& o) const;
 };
@@ -66,16 +66,16 @@ struct GemmKey {
 struct GemmOperands {
   const void* a = nullptr;
   const void* b = nullptr;
-  const void* c = nullptr;        // may alias d; null with beta == 0 reads d's layout only
+  const void* c = nullptr;  // may alias d; null with beta == 0 reads d's layout only
   void* d = nullptr;
-  const void* bias = nullptr;     // when key.has_bias
-  void* aux = nullptr;            // when key.has_aux: m x n, leading dimension m
+  const void* bias = nullptr;  // when key.has_bias
+  void* aux = nullptr;         // when key.has_aux: m x n, leading dimension m
   const float* a_scale = nullptr;
   const float* b_scale = nullptr;
   const float* d_scale = nullptr;
   const void* alpha = nullptr;
   const void* beta = nullptr;
-  void* workspace = nullptr;      // key.workspace_bytes bytes (null when 0)
+  void* workspace = nullptr;  // key.workspace_bytes bytes (null when 0)
 };
 
 // The largest power of two up to 256 that divides every non-null pointer: GemmKey::alignment.
