@@ -172,10 +172,12 @@ def test_loss_is_the_masked_mean_cross_entropy_of_forward():
 
 
 @pytest.mark.parametrize("impl", [KERNELS[0], "xla"])
-def test_sliding_window_sees_exactly_the_last_window_tokens(impl):
+@pytest.mark.parametrize("version", [2, 3])
+def test_sliding_window_sees_exactly_the_last_window_tokens(version, impl):
   """One local layer: the logits at position i depend on tokens i - W + 1 .. i (HF's
-  i - sliding_window < j <= i) and not on token i - W."""
-  base = gemma.Config.tiny(2)
+  i - sliding_window < j <= i) and not on token i - W (on the 'xla' path: the softcapped
+  einsum reference for Gemma 2, jax.nn.dot_product_attention for Gemma 3)."""
+  base = gemma.Config.tiny(version)
   c = dataclasses.replace(base, n_layers=1, layer_types=("local",))
   p = U.random_params(c, 11)
   w, i = c.sliding_window, 15
