@@ -166,6 +166,14 @@ def test_loss_is_the_masked_mean_cross_entropy_of_forward():
   expected = float(jnp.sum(jnp.where(mask, nll, 0.0)) / mask.sum())
   got = float(LOSS(p, c, x[:, :-1], x[:, 1:], mask=jnp.asarray(mask)))
   assert abs(got - expected) <= 1e-5 * expected
+  # Padding (segment id 0) never counts.
+  real = np.arange(T) < T - 5
+  seg = jnp.asarray(np.where(real, 1, 0)[None].repeat(B, 0), jnp.int32)
+  logp = jax.nn.log_softmax(FORWARD(p, c, x[:, :-1], segment_ids=seg), axis=-1)
+  nll = -jnp.take_along_axis(logp, x[:, 1:, None], axis=-1)[..., 0]
+  expected = float(jnp.mean(nll[:, real]))
+  got = float(LOSS(p, c, x[:, :-1], x[:, 1:], segment_ids=seg))
+  assert abs(got - expected) <= 1e-5 * expected
 
 
 # ---- attention semantics ------------------------------------------------------------------
