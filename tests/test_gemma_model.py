@@ -166,16 +166,26 @@ def test_loss_is_the_masked_mean_cross_entropy_of_forward():
   expected = float(jnp.sum(jnp.where(mask, nll, 0.0)) / mask.sum())
   got = float(LOSS(p, c, x[:, :-1], x[:, 1:], mask=jnp.asarray(mask)))
   assert abs(got - expected) <= 1e-5 * expected
+  # Padding (segment id 0) never counts.
+  real = np.arange(T) < T - 5
+  seg = jnp.asarray(np.where(real, 1, 0)[None].repeat(B, 0), jnp.int32)
+  logp = jax.nn.log_softmax(FORWARD(p, c, x[:, :-1], segment_ids=seg), axis=-1)
+  nll = -jnp.take_along_axis(logp, x[:, 1:, None], axis=-1)[..., 0]
+  expected = float(jnp.mean(nll[:, real]))
+  got = float(LOSS(p, c, x[:, :-1], x[:, 1:], segment_ids=seg))
+  assert abs(got - expected) <= 1e-5 * expected
 
 
 # ---- attention semantics ------------------------------------------------------------------
 
 
 @pytest.mark.parametrize("impl", [KERNELS[0], "xla"])
-def test_sliding_window_sees_exactly_the_last_window_tokens(impl):
+@pytest.mark.parametrize("version", [2, 3])
+def test_sliding_window_sees_exactly_the_last_window_tokens(version, impl):
   """One local layer: the logits at position i depend on tokens i - W + 1 .. i (HF's
-  i - sliding_window < j <= i) and not on token i - W."""
-  base = gemma.Config.tiny(2)
+  i - sliding_window < j <= i) and not on token i - W (on the 'xla' path: the softcapped
+  einsum reference for Gemma 2, jax.nn.dot_product_attention for Gemma 3)."""
+  base = gemma.Config.tiny(version)
   c = dataclasses.replace(base, n_layers=1, layer_types=("local",))
   p = U.random_params(c, 11)
   w, i = c.sliding_window, 15

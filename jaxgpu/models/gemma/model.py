@@ -170,6 +170,7 @@ def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
     tokens: (B, T) int32 inputs; targets: (B, T) int32 labels (usually tokens shifted by
       one), in [0, vocab_size) where counted.
     mask: (B, T) bool (or 0/1) or None: which positions count; the mean is over them.
+      Positions whose segment id is 0 (padding) never count.
     positions, segment_ids, implementation, mesh, remat: as `forward`.
 
   Returns:
@@ -183,6 +184,9 @@ def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
                mesh=mesh, remat=remat)
   logits = jnp.einsum("btd,vd->btv", y, params["embed"])
   logits = sharding.constrain(logits, mesh, sharding.batch_axis(mesh), None, None)
+  if segment_ids is not None:
+    real = segment_ids != 0
+    mask = real if mask is None else mask.astype(bool) & real
   ignore = None
   if mask is not None:
     targets = jnp.where(mask.astype(bool), targets, IGNORE_INDEX)

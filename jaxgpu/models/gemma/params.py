@@ -17,6 +17,7 @@ Norm weights are stored as HF stores them: the model scales by (1 + w).
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -24,6 +25,7 @@ import jax.numpy as jnp
 from jaxgpu.models.gemma.config import Config
 
 NORMS = ("attn_pre_norm", "attn_post_norm", "mlp_pre_norm", "mlp_post_norm")
+_DRAW_LIMIT = 1 << 30
 
 
 def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
@@ -64,13 +66,25 @@ def init_params(config: Config, key, dtype=jnp.bfloat16) -> dict:
 def _init(config: Config, key, dtype):
   shapes = param_shapes(config)
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-  # One normal draw per distinct matrix shape (all layers' q together, ...): a few random
-  # number generators to compile instead of one per leaf.
-  distinct = sorted({s for s in leaves if len(s) > 1})
-  keys = dict(zip(distinct, jax.random.split(key, len(distinct))))
-  draws = {s: iter(0.02 * jax.random.normal(keys[s], (leaves.count(s),) + s, jnp.float32))
-           for s in distinct}
-  out = [jnp.zeros(s, dtype) if len(s) == 1 else next(draws[s]).astype(dtype) for s in leaves]
+  # Few normal draws, each for many matrices together, sliced: XLA compiles a random number
+  # generator per call site (about a second each on a CPU). A draw covers at most
+  # _DRAW_LIMIT values (threefry counts them in 32 bits) and is transient.
+  chunks, sizes = [[]], [0]
+  for i, s in enumerate(leaves):
+    if len(s) > 1:
+      if sizes[-1] and sizes[-1] + math.prod(s) > _DRAW_LIMIT:
+        chunks.append([])
+        sizes.append(0)
+      chunks[-1].append(i)
+      sizes[-1] += math.prod(s)
+  out = [jnp.zeros(s, dtype) for s in leaves]
+  for k, chunk, size in zip(jax.random.split(key, len(chunks)), chunks, sizes):
+    z = jax.random.normal(k, (size,), jnp.float32)
+    offset = 0
+    for i in chunk:
+      n = math.prod(leaves[i])
+      out[i] = (0.02 * z[offset:offset + n].reshape(leaves[i])).astype(dtype)
+      offset += n
   return jax.tree.unflatten(treedef, out)
 
 
