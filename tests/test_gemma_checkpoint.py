@@ -249,6 +249,8 @@ def test_hf_config_round_trip(version):
   hf = hf_config_from(c)
   assert hf["model_type"] == ("gemma2" if version == 2 else "gemma3_text")
   assert config_from_hf(json.loads(json.dumps(hf))) == c
+  # transformers 5's strictly typed configs refuse a float query_pre_attn_scalar (12.0).
+  assert type(hf["query_pre_attn_scalar"]) is int and hf["query_pre_attn_scalar"] == 12
   if version == 3:
     assert hf["sliding_window_pattern"] == 2   # for transformers 4.50-4.52
     assert hf["rope_scaling"] == {"rope_type": "linear", "factor": 4.0}

@@ -108,7 +108,6 @@ _LAYER_TENSORS = (
   ("down", "mlp.down_proj.weight"),
   ("mlp_post_norm", "post_feedforward_layernorm.weight"),
 )
-_QK_NORM_KEYS = ("q_norm", "k_norm")
 
 # Where the decoder sits, most specific first: multimodal Gemma 3 (>= 4.52, then 4.50/4.51),
 # *ForCausalLM, a bare text model.
@@ -321,6 +320,12 @@ def _window_pattern(layer_types) -> int | None:
   return None
 
 
+def _int_if_integral(x: float) -> int | float:
+  """transformers 5's strictly typed Gemma configs declare query_pre_attn_scalar an int
+  (256, 144, 168 in the published models) and refuse 256.0."""
+  return int(x) if float(x).is_integer() else float(x)
+
+
 def hf_config_from(config: Config) -> dict:
   """A config.json dict (Gemma2ForCausalLM or Gemma3ForCausalLM) describing `config`.
 
@@ -350,7 +355,7 @@ def hf_config_from(config: Config) -> dict:
     "hidden_activation": _ACTIVATION,
     "max_position_embeddings": int(config.max_seq_len),
     "rms_norm_eps": float(config.rms_eps),
-    "query_pre_attn_scalar": float(config.query_pre_attn_scalar),
+    "query_pre_attn_scalar": _int_if_integral(config.query_pre_attn_scalar),
     "sliding_window": int(config.sliding_window),
     "layer_types": [_TO_HF_KIND[kind] for kind in config.layer_types],
     "attn_logit_softcapping": config.attn_logit_softcap,
