@@ -10,7 +10,7 @@
 * save -> load round trips, float32 and bfloat16, single file and shards.
 * Errors (ValueError naming the culprit): missing, unexpected, wrong-shape tensors, a config
   that disagrees with config.json, unknown model_type, what Config cannot represent.
-Parameters are random numpy arrays in the contract layout (/work/notes/gemma_contract.md),
+Parameters are random numpy arrays in the model's layout (load_hf_checkpoint's docstring),
 built here, not by the model's init_params.
 """
 
@@ -59,7 +59,7 @@ def hf_config(version: int, **changes) -> dict:
 
 
 def random_params(config, rng, dtype=np.float32) -> dict:
-  """Random params in the contract layout (numpy arrays of `dtype`)."""
+  """Random params in the model's layout (numpy arrays of `dtype`)."""
 
   def r(*shape):
     return rng.standard_normal(shape).astype(np.float32).astype(dtype)

@@ -3,7 +3,8 @@
 A Hugging Face checkpoint folder holds config.json and the weights in safetensors files: one
 `model.safetensors`, or shards listed by `model.safetensors.index.json` (its "weight_map"
 names the file of every tensor). This module reads such a folder into the parameter pytree of
-jaxgpu.models.gemma (the layout of /work/notes/gemma_contract.md) and writes one back.
+jaxgpu.models.gemma (the layout init_params builds; load_hf_checkpoint's docstring lists it)
+and writes one back.
 
   config_from_hf(hf_dict) -> Config         config.json (Gemma 2, Gemma 3 text or multimodal)
   hf_config_from(config) -> dict            the inverse: a config.json for *ForCausalLM
@@ -18,10 +19,10 @@ that a text model does not use. A bare Gemma3TextModel has no prefix. The output
 is tied to the embedding (tie_word_embeddings, true for every Gemma 2/3), so `lm_head.weight`
 is usually absent, and ignored where present.
 
-Layouts. torch.nn.Linear stores its weight as (out_features, in_features); the contract keeps
+Layouts. torch.nn.Linear stores its weight as (out_features, in_features); the model keeps
 the input dim first and splits the head dims out: q_proj (N*H, D) -> q (D, N, H), o_proj
 (D, N*H) -> o (N, H, D), gate_proj / up_proj (F, D) -> (D, F), down_proj (D, F) -> (F, D).
-Every Linear weight follows one rule, contract = W.T.reshape(contract_shape) and back
+Every Linear weight follows one rule, ours = W.T.reshape(our_shape) and back
 W = x.reshape(reversed(hf_shape)).T, because HF flattens heads as n * H + h (the row-major
 order of (N, H)). The embedding (nn.Embedding, (V, D)) and the norm weights are copied as
 stored (the model applies 1 + w to the norms).
@@ -85,14 +86,14 @@ _DEFAULTS = {
           eos_token_id=1, sliding_window_pattern=6),
 }
 
-# The Config fields this module sets (the contract's); a comparison looks at these only.
+# The Config fields this module sets; a comparison looks at these only.
 _CONFIG_FIELDS = ("version", "vocab_size", "d_model", "n_layers", "n_heads", "n_kv_heads",
                   "head_dim", "ffn_dim", "query_pre_attn_scalar", "sliding_window",
                   "layer_types", "rope_theta_global", "rope_theta_local", "rope_scale_global",
                   "attn_logit_softcap", "final_logit_softcap", "qk_norm", "rms_eps",
                   "max_seq_len", "eos_token_id", "pad_token_id")
 
-# (contract key, HF name inside a decoder layer), in the order transformers writes them.
+# (our key, HF name inside a decoder layer), in the order transformers writes them.
 _LAYER_TENSORS = (
   ("attn_pre_norm", "input_layernorm.weight"),
   ("q", "self_attn.q_proj.weight"),
@@ -388,7 +389,7 @@ def hf_config_from(config: Config) -> dict:
 
 
 def _check_same(given: Config, found: Config) -> None:
-  """ValueError naming the first contract field where `given` differs from config.json's."""
+  """ValueError naming the first Config field where `given` differs from config.json's."""
   for name in _CONFIG_FIELDS:
     a, b = getattr(given, name), getattr(found, name)
     if name == "layer_types":
@@ -406,7 +407,7 @@ def _check_same(given: Config, found: Config) -> None:
 
 
 def _shapes(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-  """contract key -> (contract shape, HF shape) of one decoder layer's tensors."""
+  """our key -> (our shape, HF shape) of one decoder layer's tensors."""
   d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
                    config.ffn_dim)
   out = {
@@ -430,7 +431,7 @@ def _shapes(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]
 
 def _layout(config: Config, prefix: str) -> list[tuple[str, tuple, tuple[int, ...],
                                                       tuple[int, ...]]]:
-  """Every tensor of the decoder: (HF name, where in params, contract shape, HF shape).
+  """Every tensor of the decoder: (HF name, where in params, our shape, HF shape).
 
   `where` is ("embed",), ("final_norm",) or ("layers", i, key)."""
   v, d = config.vocab_size, config.d_model
@@ -445,8 +446,8 @@ def _layout(config: Config, prefix: str) -> list[tuple[str, tuple, tuple[int, ..
   return out
 
 
-def _to_contract(w: np.ndarray, where: tuple, shape: tuple[int, ...]) -> np.ndarray:
-  """An HF tensor -> the contract layout. nn.Embedding's (V, D) and the 1-D norms are kept;
+def _from_hf(w: np.ndarray, where: tuple, shape: tuple[int, ...]) -> np.ndarray:
+  """An HF tensor -> our layout. nn.Embedding's (V, D) and the 1-D norms are kept;
   a Linear's (out, in) weight is transposed and its head dims split out."""
   if where == ("embed",) or w.ndim == 1:
     return w
@@ -454,7 +455,7 @@ def _to_contract(w: np.ndarray, where: tuple, shape: tuple[int, ...]) -> np.ndar
 
 
 def _to_hf(x: np.ndarray, where: tuple, hf_shape: tuple[int, ...]) -> np.ndarray:
-  """The contract layout -> the HF tensor (the inverse of _to_contract)."""
+  """Our layout -> the HF tensor (the inverse of _from_hf)."""
   if where == ("embed",) or x.ndim == 1:
     return x
   return np.ascontiguousarray(x.reshape(hf_shape[::-1]).T)
@@ -576,11 +577,11 @@ def load_hf_checkpoint(path, config: Config | None = None, dtype=None) -> tuple[
 
   path: a folder with config.json and model.safetensors, or shards listed in
     model.safetensors.index.json (without an index, every *.safetensors file in the folder).
-  config: when given, it must agree with config.json on every contract field (ValueError
+  config: when given, it must agree with config.json on every field this module reads (ValueError
     naming the first that differs); it is then the config returned.
   dtype: the dtype of every returned array (e.g. jnp.bfloat16, "float32"); None keeps each
     tensor's stored dtype (bfloat16 as jnp.bfloat16).
-  Returns params in the contract layout (jax arrays on the default device): embed (V, D),
+  Returns params in the model's layout (jax arrays on the default device): embed (V, D),
   final_norm (D,), layers[i] with the norms (D,), q (D, N, H), k and v (D, K, H),
   o (N, H, D), gate and up (D, F), down (F, D), and for Gemma 3 q_norm and k_norm (H,).
   Raises ValueError naming the tensors that are missing, unexpected (a vision tower and a
@@ -625,7 +626,7 @@ def load_hf_checkpoint(path, config: Config | None = None, dtype=None) -> tuple[
 
     params = {"layers": [{} for _ in range(config.n_layers)]}
     for name, where, shape, _ in layout:
-      array = _to_contract(tensors.read(name), where, shape)
+      array = _from_hf(tensors.read(name), where, shape)
       if cast is not None:
         array = array.astype(cast)
       value = jnp.asarray(array)
@@ -637,7 +638,7 @@ def load_hf_checkpoint(path, config: Config | None = None, dtype=None) -> tuple[
 
 
 def _hf_tensors(params: Mapping, config: Config) -> dict[str, np.ndarray]:
-  """params (contract layout, checked against config) -> {HF name: numpy array}."""
+  """params (our layout, checked against config) -> {HF name: numpy array}."""
   if not isinstance(params, Mapping):
     raise ValueError(f"save_hf_checkpoint: params must be a dict, got {type(params).__name__}")
   top = {"embed", "final_norm", "layers"}
@@ -672,7 +673,7 @@ def save_hf_checkpoint(params: Mapping, config: Config, path, max_shard_bytes: i
   """Write params as a Hugging Face checkpoint folder that Gemma2ForCausalLM /
   Gemma3ForCausalLM.from_pretrained loads (and load_hf_checkpoint reads back unchanged).
 
-  params: the contract layout (see load_hf_checkpoint); arrays keep their dtypes (float32,
+  params: the model's layout (see load_hf_checkpoint); arrays keep their dtypes (float32,
     bfloat16 and float16 are what transformers loads). config: the model's Config.
   path: the folder (created if needed). Writes config.json (hf_config_from plus torch_dtype,
     the embedding's dtype) and model.safetensors, or with max_shard_bytes set, shards
