@@ -307,8 +307,8 @@ def test_load_hf_names(tmp_path, rng, version):
 
 
 @pytest.mark.parametrize("prefix, vision", [
-  ("model.language_model.", "model.vision_tower.vision_model."),   # transformers >= 4.52
-  ("language_model.model.", "vision_tower.vision_model."),         # 4.50 and 4.51
+  ("model.language_model.", "model.vision_tower.vision_model."),   # module names (>= 4.52)
+  ("language_model.model.", "vision_tower.vision_model."),         # hub layout (5.17 too)
 ])
 def test_load_multimodal(tmp_path, rng, prefix, vision):
   text = hf_config(3)

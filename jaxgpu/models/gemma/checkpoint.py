@@ -13,11 +13,13 @@ and writes one back.
 
 Tensor names. Gemma2ForCausalLM / Gemma3ForCausalLM store the decoder under "model."
 (model.embed_tokens.weight, model.layers.{i}.self_attn.q_proj.weight, ..., model.norm.weight);
-the multimodal Gemma3ForConditionalGeneration under "model.language_model." (transformers
->= 4.52) or "language_model.model." (4.50 and 4.51), next to a vision tower and a projector
-that a text model does not use. A bare Gemma3TextModel has no prefix. The output projection
-is tied to the embedding (tie_word_embeddings, true for every Gemma 2/3), so `lm_head.weight`
-is usually absent, and ignored where present.
+the multimodal Gemma3ForConditionalGeneration under "language_model.model." (the hub
+checkpoints' layout, which transformers 5.17's save_pretrained writes too) or
+"model.language_model." (its module names since transformers 4.52, which a plain state-dict
+dump has), next to a vision tower and a projector that a text model does not use. A bare
+Gemma3TextModel has no prefix. The output projection is tied to the embedding
+(tie_word_embeddings, true for every Gemma 2/3), so `lm_head.weight` is usually absent, and
+ignored where present.
 
 Layouts. torch.nn.Linear stores its weight as (out_features, in_features); the model keeps
 the input dim first and splits the head dims out: q_proj (N*H, D) -> q (D, N, H), o_proj
@@ -110,7 +112,7 @@ _LAYER_TENSORS = (
   ("mlp_post_norm", "post_feedforward_layernorm.weight"),
 )
 
-# Where the decoder sits, most specific first: multimodal Gemma 3 (>= 4.52, then 4.50/4.51),
+# Where the decoder sits, most specific first: multimodal Gemma 3 (module names, hub layout),
 # *ForCausalLM, a bare text model.
 _TEXT_PREFIXES = ("model.language_model.", "language_model.model.", "model.", "")
 # Tensors of a multimodal Gemma 3 checkpoint that the text model does not use.
