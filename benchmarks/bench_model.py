@@ -187,24 +187,38 @@ def _skip(bench, what: str, why: str) -> None:
 # ---- parts ------------------------------------------------------------------------------------
 
 
-def _compile_train(config, b, t, impl_arg):
-  """(compiled train_step, memory GiB, compile seconds, params, opt_state, batch)."""
+def _train_inputs(config, b, t, *, abstract: bool):
+  """(params, opt_state, batch): arrays, or their shapes only (to compile without memory)."""
   import jax
   import jax.numpy as jnp
   import numpy as np
 
   from jaxgpu.models import gemma
 
+  def make():
+    params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
+    return params, gemma.init_opt_state(params)
+
+  if abstract:
+    params, opt_state = jax.eval_shape(make)
+    spec = jax.ShapeDtypeStruct((b, t), jnp.int32)
+    return params, opt_state, {"tokens": spec, "targets": spec}
+  params, opt_state = make()
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (b, t + 1))
   tokens = jnp.asarray(tokens, jnp.int32)
-  batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
-  params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
-  opt_state = gemma.init_opt_state(params)
+  return params, opt_state, {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
+
+
+def _compile_train(config, b, t, impl_arg):
+  """(compiled train_step, its memory in GiB, compile seconds), from shapes alone."""
+  from jaxgpu.models import gemma
+
+  params, opt_state, batch = _train_inputs(config, b, t, abstract=True)
   optimizer = gemma.AdamW(learning_rate=1e-5, weight_decay=0.01, clip_norm=1.0)
   t0 = time.perf_counter()
   compiled = gemma.train_step.lower(params, opt_state, batch, config=config,
                                     optimizer=optimizer, implementation=impl_arg).compile()
-  return compiled, _memory_gib(compiled), time.perf_counter() - t0, params, opt_state, batch
+  return compiled, _memory_gib(compiled), time.perf_counter() - t0
 
 
 def train(bench, name: str) -> None:
@@ -219,13 +233,13 @@ def train(bench, name: str) -> None:
     compiled = {}
     for impl in impls:
       try:
-        compiled[impl.name] = _compile_train(config, b, t, impl.arg)[:3]
+        compiled[impl.name] = _compile_train(config, b, t, impl.arg)
       except Exception as e:
         bench._fail(f"train {name} B{b} {impl.name} (compile)", e)
     too_big = [n for n, c in compiled.items() if limit and c[1] > 0.95 * limit]
     if not too_big or b == 1:
       break
-    print(f"  train {name} B{b}: {', '.join(too_big)} needs more than the device's "
+    print(f"  train {name} B{b}: {', '.join(too_big)} needs more than 95% of the device's "
           f"{limit:.0f} GiB; halving the batch", flush=True)
     b //= 2
   flops = 3 * forward_flops(config, b, t)
@@ -233,19 +247,16 @@ def train(bench, name: str) -> None:
   for impl in impls:
     if impl.name not in compiled:
       continue
-    _, mem, compile_s = compiled.pop(impl.name)
+    step_fn, mem, compile_s = compiled.pop(impl.name)
     if limit and mem > 0.95 * limit:
       _skip(bench, f"train {name} B{b} {impl.name}", f"needs {mem:.1f} GiB of {limit:.1f}")
       continue
     try:
-      # A fresh compile holds one set of parameters and moments at a time.
-      step_fn, mem, compile_s, params, opt_state, batch = _compile_train(config, b, t,
-                                                                          impl.arg)
-      state = [params, opt_state]
-      del params, opt_state
+      # One implementation's parameters and moments on the device at a time.
+      state = list(_train_inputs(config, b, t, abstract=False))
 
       def step():
-        state[0], state[1], m = step_fn(state[0], state[1], batch)
+        state[0], state[1], m = step_fn(*state)
         return m
 
       jax.block_until_ready(step())  # warm up
@@ -258,10 +269,11 @@ def train(bench, name: str) -> None:
 
       median, lo, hi = _median(run, bench.config.repeats)
       times = (median / calls, lo / calls, hi / calls)
-      state.clear()
     except Exception as e:  # one implementation failing must not cost the other its figure
       bench._fail(f"train {name} {impl.name}", e)
       continue
+    finally:
+      state = None
     tok_s = b * t / times[0]
     mfu = flops / times[0] / (H100_BF16_PEAK_TFLOPS * 1e12)
     notes = (f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}, memory {mem:.1f} GiB, "

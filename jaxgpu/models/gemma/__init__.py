@@ -9,8 +9,11 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   train.py     AdamW, init_opt_state, opt_state_specs, train_step
   generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
+  checkpoint.py  load_hf_checkpoint, save_hf_checkpoint, config_from_hf, hf_config_from
 """
 
+from jaxgpu.models.gemma.checkpoint import (config_from_hf, hf_config_from,
+                                            load_hf_checkpoint, save_hf_checkpoint)
 from jaxgpu.models.gemma.config import Config
 from jaxgpu.models.gemma.generate import (GenerateOutput, Sampling, decode, decode_step,
                                           empty_cache, generate, prefill, sample)
@@ -27,14 +30,17 @@ __all__ = [
     "Sampling",
     "batch_sharding",
     "check_params",
+    "config_from_hf",
     "decode",
     "decode_step",
     "empty_cache",
     "forward",
     "generate",
+    "hf_config_from",
     "hidden_states",
     "init_opt_state",
     "init_params",
+    "load_hf_checkpoint",
     "loss",
     "opt_state_specs",
     "param_shapes",
@@ -42,6 +48,7 @@ __all__ = [
     "param_specs",
     "prefill",
     "sample",
+    "save_hf_checkpoint",
     "shard_batch",
     "shard_params",
     "train_step",
