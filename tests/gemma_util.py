@@ -9,8 +9,24 @@ import re
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 
+from conftest import HAS_CUDA
 from jaxgpu.models import gemma
+
+
+# The kernel implementation of this machine: the CUDA kernels (gpu marker) or the CPU ones.
+KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNEL_IMPL = None if HAS_CUDA else "cpu"  # the same, as a plain value
+
+
+@pytest.fixture(autouse=True)
+def exact_matmuls():
+  """float32 matmuls in float32: on an H100, XLA's default float32 dot is TF32 (about 1e-3
+  relative), which would swamp the float32 tolerances these tests compare at. Test modules
+  import this fixture, which makes it apply to each of their tests."""
+  with jax.default_matmul_precision("highest"):
+    yield
 
 
 def random_params(config, seed: int, dtype=jnp.float32, qk_gain: float = 3.0,

@@ -12,9 +12,9 @@ import pytest
 from jaxgpu.models import gemma
 
 import gemma_util as U
-from conftest import HAS_CUDA
+from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
 
-KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNELS = U.KERNELS
 
 # Lengths around the tiny window (8): one prompt longer than it (the prefill fills the ring
 # buffers from its last 8 positions), and generations that run past it.

@@ -17,11 +17,11 @@ from jaxgpu.models import gemma
 from jaxgpu.models.gemma import layers
 
 import gemma_util as U
-from conftest import HAS_CUDA
+from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
 
 # jaxgpu's kernels: the CPU ones here; on a GPU machine None runs the CUDA kernels (and the
 # reference for float32 attention, which the CUDA kernels do not take).
-KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNELS = U.KERNELS
 
 B, T = 2, 21   # T > 2 * sliding_window (8): local layers see only part of the sequence
 
@@ -217,7 +217,7 @@ def test_packed_segments_match_separate_sequences(version):
   pos = np.zeros((3, total), np.int32)
   pos[0, :la], pos[0, la:la + lb] = np.arange(la), np.arange(lb)
   pos[1], pos[2] = np.arange(total), np.arange(total)
-  for implementation in (KERNELS[0], "xla"):
+  for implementation in (U.KERNEL_IMPL, "xla"):
     got = FORWARD(p, c, x, positions=jnp.asarray(pos), segment_ids=jnp.asarray(seg),
                   implementation=implementation)
     scale = float(jnp.max(jnp.abs(got[1:])))

@@ -18,9 +18,9 @@ from jaxgpu.models import gemma
 from jaxgpu.models.gemma import sharding
 
 import gemma_util as U
-from conftest import HAS_CUDA
+from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
 
-KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNELS = U.KERNELS
 
 
 def test_adamw_update_matches_the_formula():

@@ -138,17 +138,17 @@ def test_config_matches(hf_model):
     assert config.qk_norm and config.attn_logit_softcap is None
 
 
-@pytest.mark.parametrize("implementation", [None, "xla"])
-def test_logits_float32(hf_model, rng, implementation):
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_logits_float32(hf_model, rng, impl):
   model, folder = hf_model
   params, config = load_hf_checkpoint(folder)
   tokens = rng.integers(3, VOCAB, size=(2, SEQ))
   ref = torch_logits(model, tokens)
-  got = our_logits(params, config, tokens, implementation)
+  got = our_logits(params, config, tokens, impl)
   scale = float(np.max(np.abs(ref)))
   err = float(np.max(np.abs(got - ref)))
   assert err <= F32_TOL * scale, (f"max |ours - transformers| = {err:.3g} > {F32_TOL} * "
-                                  f"{scale:.3g} (implementation={implementation})")
+                                  f"{scale:.3g} (implementation={impl})")
 
 
 def test_logits_bfloat16(hf_model, rng):
@@ -202,8 +202,8 @@ def check_near_tie(model, prefix, a, b, tol, what) -> None:
                       "not a near tie")
 
 
-@pytest.mark.parametrize("implementation", [None, "xla"])
-def test_greedy_float32(hf_model, rng, implementation):
+@pytest.mark.parametrize("impl", [None, "xla"])
+def test_greedy_float32(hf_model, rng, impl):
   """Token for token, past the window. Where the two differ at a near tie, our generation
   restarts from the prefix plus transformers' token, so the comparison still covers every
   step (at most 3 restarts a prompt: more would mean the tolerance hides real errors)."""
@@ -212,7 +212,7 @@ def test_greedy_float32(hf_model, rng, implementation):
   params, config = load_hf_checkpoint(folder)
   prompts = [rng.integers(3, VOCAB, size=n).tolist() for n in PROMPTS]
   theirs = [hf_greedy(model, p, NEW_TOKENS) for p in prompts]
-  ours = our_greedy(params, config, prompts, NEW_TOKENS, implementation)
+  ours = our_greedy(params, config, prompts, NEW_TOKENS, impl)
   scale = float(np.max(np.abs(torch_logits(model, [prompts[1] + theirs[1]]))))
   for i, prompt in enumerate(prompts):
     done, row, restarts = 0, ours[i], 0
@@ -226,7 +226,7 @@ def test_greedy_float32(hf_model, rng, implementation):
       if done == NEW_TOKENS:
         break
       row = our_greedy(params, config, [prompt + theirs[i][:done]], NEW_TOKENS - done,
-                       implementation)[0]
+                       impl)[0]
 
 
 def test_greedy_bfloat16(hf_model, rng):

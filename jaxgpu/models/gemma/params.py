@@ -17,7 +17,6 @@ Norm weights are stored as HF stores them: the model scales by (1 + w).
 from __future__ import annotations
 
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -25,7 +24,6 @@ import jax.numpy as jnp
 from jaxgpu.models.gemma.config import Config
 
 NORMS = ("attn_pre_norm", "attn_post_norm", "mlp_pre_norm", "mlp_post_norm")
-_DRAW_LIMIT = 1 << 30
 
 
 def layer_shapes(config: Config) -> dict[str, tuple[int, ...]]:
@@ -62,29 +60,21 @@ def init_params(config: Config, key, dtype=jnp.bfloat16) -> dict:
   return _init(config, key, jnp.dtype(dtype))
 
 
-@functools.partial(jax.jit, static_argnames=("config", "dtype"))
+@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
+def _normal(key, shape, dtype):
+  return (0.02 * jax.random.normal(key, shape, jnp.float32)).astype(dtype)
+
+
 def _init(config: Config, key, dtype):
+  # One small jitted draw per matrix, compiled once per distinct shape (a handful: layers
+  # repeat). A single jit over the whole pytree compiled for minutes at gemma2_2b's size on
+  # an H100 (XLA's "very slow compile" alarm), and one random generator per matrix inside
+  # one program compiled for seconds even at the tiny size.
   shapes = param_shapes(config)
   leaves, treedef = jax.tree.flatten(shapes, is_leaf=lambda s: isinstance(s, tuple))
-  # Few normal draws, each for many matrices together, sliced: XLA compiles a random number
-  # generator per call site (about a second each on a CPU). A draw covers at most
-  # _DRAW_LIMIT values (threefry counts them in 32 bits) and is transient.
-  chunks, sizes = [[]], [0]
-  for i, s in enumerate(leaves):
-    if len(s) > 1:
-      if sizes[-1] and sizes[-1] + math.prod(s) > _DRAW_LIMIT:
-        chunks.append([])
-        sizes.append(0)
-      chunks[-1].append(i)
-      sizes[-1] += math.prod(s)
-  out = [jnp.zeros(s, dtype) for s in leaves]
-  for k, chunk, size in zip(jax.random.split(key, len(chunks)), chunks, sizes):
-    z = jax.random.normal(k, (size,), jnp.float32)
-    offset = 0
-    for i in chunk:
-      n = math.prod(leaves[i])
-      out[i] = (0.02 * z[offset:offset + n].reshape(leaves[i])).astype(dtype)
-      offset += n
+  keys = jax.random.split(key, len(leaves))
+  out = [_normal(k, s, dtype) if len(s) > 1 else jnp.zeros(s, dtype)
+         for k, s in zip(keys, leaves)]
   return jax.tree.unflatten(treedef, out)
 
 
