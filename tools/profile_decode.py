@@ -1,71 +1,86 @@
-"""Per-kernel GPU time of one Gemma decode step, for docs/perf/model.md.
+"""Where a Gemma decode step's time goes, by differences (the H100 machine's ncu crashed on
+JAX programs in this image, so the split comes from timing variants, not counters).
 
-    ncu --clock-control none --nvtx --nvtx-include "decode_step/" --csv --print-units base \
-        --metrics gpu__time_duration.sum python3 tools/profile_decode.py --impl xla > xla.csv
-    python3 tools/profile_decode.py --summarize xla.csv
+    python3 tools/profile_decode.py                     # gemma2_2b, batch 1, both paths
+    python3 tools/profile_decode.py --contexts 64,4096,32768 --batch 8
 
-The step runs twice first (compile, warm-up); only the third, inside the NVTX range
-"decode_step" (pushed through torch, which the GPU machine has), is profiled. --summarize
-groups a CSV's kernels by name: launches, total and share of the step's GPU time.
+For each implementation and context length it times decode_step (jitted; the cache donated
+and carried from step to step) at a context of 64 tokens, where attention and the cache
+cost almost nothing, and at the longer ones. The step at 64 is the cost of everything but
+attention (the weights' matmuls, norms, the output projection, sampling excluded); the
+difference to a longer context is what attention over that cache (and its write) costs.
+Each is printed beside its floor at the measured copy rate: the parameter bytes, and the
+KV bytes a step must read.
 """
 
 from __future__ import annotations
 
 import argparse
-import collections
-import csv
-import re
+import statistics
 import sys
+import time
 
 
-def summarize(path: str, top: int = 15) -> None:
-  rows = [r for r in csv.reader(open(path)) if len(r) > 10]
-  head, body = rows[0], rows[1:]
-  name_col, value_col = head.index("Kernel Name"), head.index("Metric Value")
-  total = collections.defaultdict(float)
-  count = collections.Counter()
-  for r in body:
-    name = re.sub(r"\(.*", "", r[name_col])[:60]
-    total[name] += float(r[value_col].replace(",", "")) / 1e3  # ns -> us
-    count[name] += 1
-  step = sum(total.values())
-  print(f"{path}: {sum(count.values())} kernels, {step:.0f} us of GPU time in the step")
-  for name, us in sorted(total.items(), key=lambda kv: -kv[1])[:top]:
-    print(f"  {us:9.1f} us {100 * us / step:5.1f}%  x{count[name]:<4} {name}")
+def _copy_gbs(jax, jnp) -> float:
+  x = jnp.ones((2**28,), jnp.float32)  # 1 GiB
+  f = jax.jit(lambda a: a * 1.0)
+  f(x).block_until_ready()
+  t0 = time.perf_counter()
+  for _ in range(20):
+    y = f(x)
+  y.block_until_ready()
+  return 2 * x.nbytes * 20 / (time.perf_counter() - t0) / 1e9
 
 
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  p.add_argument("--impl", choices=("cuda", "xla"), default="cuda")
   p.add_argument("--model", default="gemma2_2b")
   p.add_argument("--batch", type=int, default=1)
-  p.add_argument("--context", type=int, default=4096)
-  p.add_argument("--summarize", default=None, help="a CSV written by ncu (see above)")
+  p.add_argument("--contexts", default="64,4096,32768")
+  p.add_argument("--steps", type=int, default=20)
   args = p.parse_args()
-  if args.summarize:
-    summarize(args.summarize)
-    return 0
+
   import jax
   import jax.numpy as jnp
-  import torch
 
   from jaxgpu.models import gemma
+  sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
+  import bench_model
 
   config = getattr(gemma.Config, args.model)()
-  impl = None if args.impl == "cuda" else "xla"
   params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
-  cache = gemma.empty_cache(config, args.batch, args.context + 8)
+  gbs = _copy_gbs(jax, jnp)
+  weights = bench_model.param_bytes(config)
+  print(f"{args.model} batch {args.batch}: copy {gbs:.0f} GB/s; parameters "
+        f"{weights / 1e9:.2f} GB -> floor {weights / gbs / 1e6:.3f} ms")
   tokens = jnp.ones((args.batch,), jnp.int32)
-  positions = jnp.full((args.batch,), args.context, jnp.int32)
-  for _ in range(2):
-    logits, cache = gemma.decode_step(params, config, cache, tokens, positions,
-                                      implementation=impl)
-  jax.block_until_ready(logits)
-  torch.cuda.nvtx.range_push("decode_step")
-  logits, cache = gemma.decode_step(params, config, cache, tokens, positions,
-                                    implementation=impl)
-  jax.block_until_ready(logits)
-  torch.cuda.nvtx.range_pop()
+  for impl_name, impl in (("cuda", None), ("xla", "xla")):
+    base = None
+    for context in [int(c) for c in args.contexts.split(",")]:
+      cache = gemma.empty_cache(config, args.batch, context + 1)
+      positions = jnp.full((args.batch,), context, jnp.int32)
+      for _ in range(2):
+        logits, cache = gemma.decode_step(params, config, cache, tokens, positions,
+                                          implementation=impl)
+      logits.block_until_ready()
+      times = []
+      for _ in range(5):
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+          logits, cache = gemma.decode_step(params, config, cache, tokens, positions,
+                                            implementation=impl)
+        logits.block_until_ready()
+        times.append((time.perf_counter() - t0) / args.steps)
+      ms = statistics.median(times) * 1e3
+      kv = bench_model.decode_bytes(config, args.batch, context) - weights
+      line = (f"  {impl_name:<5} context {context:6d}: {ms:7.3f} ms/step; KV {kv / 1e9:6.3f} GB"
+              f" -> floor {kv / gbs / 1e6:6.3f} ms")
+      if base is None:
+        base = ms
+      else:
+        line += f"; attention + cache over the 64-token step: {ms - base:7.3f} ms"
+      print(line, flush=True)
+      del cache
   return 0
 
 
