@@ -160,6 +160,36 @@ def _headline_cell(records: list[Record]) -> tuple[str, str]:
   return figure, f"{best.time_us / r.time_us:.2f}x {best.implementation}"
 
 
+# The end-to-end benchmark (benchmarks/bench_model.py): one results family per part.
+MODEL_FAMILIES = ("model_train", "model_prefill", "model_decode")
+
+
+def _model_lines(families: dict[str, Any], used: dict[str, Any]) -> list[str]:
+  """Every figure of the model benchmark: jaxgpu's kernels and 'xla' side by side."""
+  rows = []
+  for family in MODEL_FAMILIES:
+    entry = families.get(family)
+    if not entry:
+      continue
+    used[family] = entry
+    recs = [Record.from_json(r) for r in entry.get("records", [])]
+    for r in recs:
+      if r.implementation != KERNEL_IMPLEMENTATION:
+        continue
+      xla = [o for o in recs if o.op == r.op and o.case == r.case and o.implementation == "xla"]
+      ms = lambda rec: f"{rec.time_us / 1e3:.2f} ms"
+      rows.append(f"| {r.op} | {r.case} | {ms(r)} | {ms(xla[0]) if xla else ''} | "
+                  f"{f'{xla[0].time_us / r.time_us:.2f}x' if xla else ''} | {r.notes or ''} |")
+  if not rows:
+    return []
+  return ["", "End to end, `jaxgpu.models.gemma` (`python -m jaxgpu bench model`): a training "
+          "step (forward, backward, AdamW), a 2048-token prefill, and one token of the jitted "
+          "decode loop per row; xla = the same model with `implementation='xla'`. Notes are "
+          "jaxgpu's run.", "",
+          "| model | case | jaxgpu | xla | xla / jaxgpu | jaxgpu notes |",
+          "| --- | --- | ---: | ---: | ---: | --- |", *rows]
+
+
 def render_readme_table(results_dir: Path = RESULTS_DIR, slug: str = "h100") -> str:
   """The README's headline table for one GPU, from results/<slug>.json."""
   path = results_dir / f"{slug}.json"
@@ -190,6 +220,7 @@ def render_readme_table(results_dir: Path = RESULTS_DIR, slug: str = "h100") -> 
     fwd = _headline_cell([r for r in recs if r.pass_ == "fwd"])
     both = _headline_cell([r for r in recs if r.pass_ == "fwd+bwd"])
     lines.append(f"| {label} | {fwd[0]} | {fwd[1]} | {both[0]} | {both[1]} |")
+  lines += _model_lines(families, used)
   lines.append("")
   lines.append("Measured: " + "; ".join(
       f"{f} at `{e.get('commit') or '?'}` ({(e.get('date') or '?')[:10]}, jax {e.get('jax')})"
