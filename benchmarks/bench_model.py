@@ -383,6 +383,23 @@ def decode(bench, name: str) -> None:
 PARTS = {"train": train, "prefill": prefill, "decode": decode}
 
 
+def _other_models_records(bench, family: str, models: list[str]) -> list:
+  """The stored records of the models this run leaves out (a family is replaced whole when
+  written): a run of one model keeps the other's figures."""
+  import json
+
+  path = harness.RESULTS_DIR / f"{bench.slug}.json"
+  if not path.exists():
+    return []
+  entry = json.loads(path.read_text()).get("families", {}).get(family, {})
+  keep = [record.Record.from_json(r) for r in entry.get("records", [])
+          if r["op"].split(" ", 1)[-1] not in models]
+  if keep:
+    print(f"# {family}: keeping {len(keep)} stored records of other models "
+          f"(measured at {entry.get('commit')})", flush=True)
+  return keep
+
+
 def _extend(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="gemma2_2b,gemma3_1b",
                  help="comma-separated Config presets (default: gemma2_2b,gemma3_1b)")
@@ -404,7 +421,10 @@ def main(argv=None) -> int:
   status = 0
   for part in parts:
     def run(bench, part=part):
-      for name in [m.strip() for m in bench.args.models.split(",") if m.strip()]:
+      models = [m.strip() for m in bench.args.models.split(",") if m.strip()]
+      if not bench.quick:
+        bench.records += _other_models_records(bench, f"{FAMILY}_{part}", models)
+      for name in models:
         print(f"# {part} {name}", flush=True)
         PARTS[part](bench, name)
 
