@@ -32,12 +32,30 @@ def _copy_gbs(jax, jnp) -> float:
   return 2 * x.nbytes * 20 / (time.perf_counter() - t0) / 1e9
 
 
+def count_launches(hlo_text: str) -> int:
+  """Top-level kernels of the ENTRY computation: fusions, custom calls (jaxgpu's FFI
+  kernels, cuBLAS), and other ops XLA runs as their own kernel (copies, scatters, sorts);
+  bitcasts, tuples, parameters and constants launch nothing."""
+  entry = hlo_text[hlo_text.index("ENTRY"):]
+  entry = entry[:entry.index("\n}")]
+  silent = ("parameter(", "constant(", "bitcast(", "tuple(", "get-tuple-element(",
+            "after-all(", "partition-id(", "replica-id(")
+  n = 0
+  for line in entry.splitlines()[1:]:
+    if "=" in line and not any(op in line for op in silent):
+      n += 1
+  return n
+
+
 def main() -> int:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--model", default="gemma2_2b")
   p.add_argument("--batch", type=int, default=1)
   p.add_argument("--contexts", default="64,4096,32768")
   p.add_argument("--steps", type=int, default=20)
+  p.add_argument("--launches", action="store_true",
+                 help="also count the kernels a step launches (the compiled HLO's top-level "
+                      "fusions, custom calls and library calls)")
   args = p.parse_args()
 
   import jax
@@ -54,6 +72,14 @@ def main() -> int:
   print(f"{args.model} batch {args.batch}: copy {gbs:.0f} GB/s; parameters "
         f"{weights / 1e9:.2f} GB -> floor {weights / gbs / 1e6:.3f} ms")
   tokens = jnp.ones((args.batch,), jnp.int32)
+  if args.launches:
+    for impl_name, impl in (("cuda", None), ("xla", "xla")):
+      cache = gemma.empty_cache(config, args.batch, 4097)
+      text = gemma.decode_step.lower(params, config, cache, tokens, tokens,
+                                     implementation=impl).compile().as_text()
+      print(f"  {impl_name:<5} one step launches {count_launches(text)} kernels "
+            f"(command buffers: {'yes' if 'command_buffer' in text else 'no'})", flush=True)
+      del cache
   for impl_name, impl in (("cuda", None), ("xla", "xla")):
     base = None
     for context in [int(c) for c in args.contexts.split(",")]:
