@@ -17,6 +17,7 @@ from jaxgpu._implementation import (  # noqa: E402
 from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
+from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
 from jaxgpu.ops.softmax import softmax  # noqa: E402
@@ -32,6 +33,8 @@ __all__ = [
     "gelu",
     "implementation",
     "layer_norm",
+    "paged_attention",
+    "paged_kv_update",
     "relu",
     "rms_norm",
     "rope",

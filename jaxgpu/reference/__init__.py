@@ -6,6 +6,6 @@ The package re-exports no functions, so that `jaxgpu.reference.<family>` is alwa
 module (an op named like its family, such as rope or softmax, would otherwise shadow it).
 """
 
-from jaxgpu.reference import activation, attention, cross_entropy, norm, rope, softmax
+from jaxgpu.reference import activation, attention, cross_entropy, decode, norm, rope, softmax
 
-__all__ = ["activation", "attention", "cross_entropy", "norm", "rope", "softmax"]
+__all__ = ["activation", "attention", "cross_entropy", "decode", "norm", "rope", "softmax"]

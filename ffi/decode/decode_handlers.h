@@ -1,0 +1,230 @@
+// Shared by the CPU and CUDA handlers of the decode family: the FFI bindings' argument
+// lists and the checks that turn buffers into the params structs.
+//
+// FFI contract (Python side: jaxgpu/ops/decode.py; shapes in decode_params.h):
+//   jaxgpu_paged_attention_fwd
+//     args  query (G, B, Tq, N, H) f32|bf16|f16, k_pages, v_pages (Gp, P, S, K, H) same
+//           dtype (Gp in {1, G}), block_table (G, B, M) s32, lengths (G, B) s32
+//     rets  out (G, B, Tq, N, H) in query's dtype, workspace (W,) f32
+//           (W = PagedAttentionWorkspaceSize: 0 with one split)
+//     attrs scale f32 > 0, softcap f32 (0: none), window_left s32 (-1: none),
+//           num_splits s32 in [1, 1024]
+//   jaxgpu_paged_kv_update_fwd
+//     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, k_new, v_new (G, B, Tn, K, H)
+//           same dtype, block_table (G, B, M) s32, positions (G, B, Tn) s32
+//     rets  k_pages, v_pages: the caches, aliased to the first two arguments
+// An 8-bit cache will add its scales as further arguments and its element types to the
+// pages' accepted set; the attributes stay.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+
+#include "common/ffi_checks.h"
+#include "decode/decode_params.h"
+
+namespace jaxgpu {
+
+#define JAXGPU_PAGED_ATTENTION_FWD_BINDING(BIND)      \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* query */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* out */         \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
+      .Attr<float>("scale")         /* scale */       \
+      .Attr<float>("softcap")       /* softcap */     \
+      .Attr<int32_t>("window_left") /* window_left */ \
+      .Attr<int32_t>("num_splits")  /* num_splits */
+
+#define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_new */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_new */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* positions */   \
+      .Ret<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* v_pages */
+
+namespace decode_detail {
+
+constexpr int64_t kMaxQLen = 16;
+constexpr int64_t kMaxHeadDim = 256;
+constexpr int32_t kMaxSplits = 1024;
+
+template <typename Buf>
+ffi::Error Rank(const Buf& buf, size_t rank, const char* name, const char* shape) {
+  if (buf.dimensions().size() != rank) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": expected rank " +
+                                       std::to_string(rank) + " " + shape);
+  }
+  return ffi::Error::Success();
+}
+
+// Pages (groups, P, S, K, H) of `dtype`, S a positive multiple of 8, H a multiple of 8 in
+// [8, 256].
+inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const char* name,
+                             int64_t* groups, int64_t* num_pages, int64_t* page_size,
+                             int64_t* kv_heads, int64_t* head_dim) {
+  JAXGPU_RETURN_IF_ERROR(Rank(pages, 5, name, "(G, P, S, K, H)"));
+  DType got;
+  JAXGPU_RETURN_IF_ERROR(CheckDType(pages, kFloatDTypes, name, &got));
+  if (got != dtype) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": dtype must be " + DTypeName(dtype) +
+                                       ", got " + DTypeName(got));
+  }
+  auto d = pages.dimensions();
+  *groups = d[0];
+  *num_pages = d[1];
+  *page_size = d[2];
+  *kv_heads = d[3];
+  *head_dim = d[4];
+  if (*page_size < 8 || *page_size % 8 != 0) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": the page size must be a positive multiple of 8");
+  }
+  if (*kv_heads < 1) return ffi::Error::InvalidArgument(std::string(name) + ": no kv heads");
+  if (*head_dim < 8 || *head_dim > kMaxHeadDim || *head_dim % 8 != 0) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": the head dim must be a multiple of 8 in [8, 256]");
+  }
+  return ffi::Error::Success();
+}
+
+}  // namespace decode_detail
+
+inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer k_pages,
+                                           ffi::AnyBuffer v_pages, ffi::AnyBuffer block_table,
+                                           ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
+                                           ffi::Result<ffi::AnyBuffer> workspace, float scale,
+                                           float softcap, int32_t window_left, int32_t num_splits,
+                                           PagedAttentionParams* p) {
+  using namespace decode_detail;
+  *p = PagedAttentionParams{};
+  JAXGPU_RETURN_IF_ERROR(Rank(query, 5, "query", "(G, B, Tq, N, H)"));
+  JAXGPU_RETURN_IF_ERROR(CheckDType(query, kFloatDTypes, "query", &p->dtype));
+  auto q = query.dimensions();
+  p->groups = q[0];
+  p->batch = q[1];
+  p->q_len = q[2];
+  p->heads = q[3];
+  int64_t kv_groups, v_groups, v_pages_n, v_page_size, v_kv, v_h;
+  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, p->dtype, "k_pages", &p->page_groups, &p->num_pages,
+                                    &p->page_size, &p->kv_heads, &p->head_dim));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckPages(v_pages, p->dtype, "v_pages", &v_groups, &v_pages_n, &v_page_size, &v_kv, &v_h));
+  kv_groups = p->page_groups;
+  if (v_groups != kv_groups || v_pages_n != p->num_pages || v_page_size != p->page_size ||
+      v_kv != p->kv_heads || v_h != p->head_dim) {
+    return ffi::Error::InvalidArgument("v_pages: must have the shape of k_pages");
+  }
+  if (kv_groups != 1 && kv_groups != p->groups) {
+    return ffi::Error::InvalidArgument("k_pages: the group dim must be 1 or the query's");
+  }
+  if (q[4] != p->head_dim) {
+    return ffi::Error::InvalidArgument("query: the head dim must be the pages'");
+  }
+  if (p->q_len < 1 || p->q_len > kMaxQLen) {
+    return ffi::Error::InvalidArgument("query: Tq must be in [1, 16]");
+  }
+  if (p->heads % p->kv_heads != 0) {
+    return ffi::Error::InvalidArgument("query: the heads must be a multiple of the kv heads");
+  }
+  JAXGPU_RETURN_IF_ERROR(Rank(block_table, 3, "block_table", "(G, B, M)"));
+  p->max_pages = block_table.dimensions()[2];
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(block_table, {p->groups, p->batch, p->max_pages}, "block_table"));
+  JAXGPU_RETURN_IF_ERROR(CheckBuffer(block_table, ffi::DataType::S32,
+                                     p->groups * p->batch * p->max_pages, "block_table"));
+  JAXGPU_RETURN_IF_ERROR(CheckDims(lengths, {p->groups, p->batch}, "lengths"));
+  JAXGPU_RETURN_IF_ERROR(CheckBuffer(lengths, ffi::DataType::S32, p->groups * p->batch, "lengths"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(*out, {p->groups, p->batch, p->q_len, p->heads, p->head_dim}, "out"));
+  JAXGPU_RETURN_IF_ERROR(CheckBuffer(out, query.element_type(), query.element_count(), "out"));
+  if (!(scale > 0.f) || !std::isfinite(scale)) {
+    return ffi::Error::InvalidArgument("scale: must be positive and finite");
+  }
+  if (!(softcap >= 0.f) || !std::isfinite(softcap)) {
+    return ffi::Error::InvalidArgument("softcap: must be 0 (none) or positive and finite");
+  }
+  if (window_left < -1) {
+    return ffi::Error::InvalidArgument("window_left: must be -1 (none) or >= 0");
+  }
+  if (num_splits < 1 || num_splits > kMaxSplits) {
+    return ffi::Error::InvalidArgument("num_splits: must be in [1, 1024]");
+  }
+  p->num_splits = num_splits;
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(workspace, ffi::DataType::F32, PagedAttentionWorkspaceSize(*p), "workspace"));
+  p->query = query.untyped_data();
+  p->k_pages = k_pages.untyped_data();
+  p->v_pages = v_pages.untyped_data();
+  p->block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  p->lengths = static_cast<const int32_t*>(lengths.untyped_data());
+  p->out = out->untyped_data();
+  p->workspace = static_cast<float*>(workspace->untyped_data());
+  p->scale = scale;
+  p->softcap = softcap;
+  p->window_left = window_left;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                          ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                                          ffi::AnyBuffer block_table, ffi::AnyBuffer positions,
+                                          ffi::Result<ffi::AnyBuffer> k_out,
+                                          ffi::Result<ffi::AnyBuffer> v_out,
+                                          PagedKvUpdateParams* p) {
+  using namespace decode_detail;
+  *p = PagedKvUpdateParams{};
+  JAXGPU_RETURN_IF_ERROR(CheckDType(k_pages, kFloatDTypes, "k_pages", &p->dtype));
+  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, p->dtype, "k_pages", &p->groups, &p->num_pages,
+                                    &p->page_size, &p->kv_heads, &p->head_dim));
+  const auto pool = k_pages.dimensions();
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(v_pages, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "v_pages"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(v_pages, k_pages.element_type(), k_pages.element_count(), "v_pages"));
+  JAXGPU_RETURN_IF_ERROR(Rank(k_new, 5, "k_new", "(G, B, Tn, K, H)"));
+  p->batch = k_new.dimensions()[1];
+  p->new_len = k_new.dimensions()[2];
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(k_new, {p->groups, p->batch, p->new_len, p->kv_heads, p->head_dim}, "k_new"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(k_new, k_pages.element_type(), k_new.element_count(), "k_new"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(v_new, {p->groups, p->batch, p->new_len, p->kv_heads, p->head_dim}, "v_new"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(v_new, k_pages.element_type(), k_new.element_count(), "v_new"));
+  JAXGPU_RETURN_IF_ERROR(Rank(block_table, 3, "block_table", "(G, B, M)"));
+  p->max_pages = block_table.dimensions()[2];
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(block_table, {p->groups, p->batch, p->max_pages}, "block_table"));
+  JAXGPU_RETURN_IF_ERROR(CheckBuffer(block_table, ffi::DataType::S32,
+                                     p->groups * p->batch * p->max_pages, "block_table"));
+  JAXGPU_RETURN_IF_ERROR(CheckDims(positions, {p->groups, p->batch, p->new_len}, "positions"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(positions, ffi::DataType::S32, p->groups * p->batch * p->new_len, "positions"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(*k_out, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDims(*v_out, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "v_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
+  p->k_pages_in = k_pages.untyped_data();
+  p->v_pages_in = v_pages.untyped_data();
+  p->k_pages = k_out->untyped_data();
+  p->v_pages = v_out->untyped_data();
+  p->k_new = k_new.untyped_data();
+  p->v_new = v_new.untyped_data();
+  p->block_table = static_cast<const int32_t*>(block_table.untyped_data());
+  p->positions = static_cast<const int32_t*>(positions.untyped_data());
+  return ffi::Error::Success();
+}
+
+}  // namespace jaxgpu

@@ -1,0 +1,60 @@
+// CUDA FFI handlers of the decode family: validate, then launch decode_kernels.cu on XLA's
+// stream. No syncs and no allocation (the split-KV scratch is the `workspace` result, which
+// XLA plans), so the handlers are safe to capture in CUDA graphs (kCmdBufferCompatible).
+#include "common/cuda_status.h"
+#include "decode/decode_cuda.h"
+#include "decode/decode_handlers.h"
+#include "decode/decode_targets.h"
+
+namespace jaxgpu {
+namespace {
+
+ffi::Error PagedAttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer k_pages,
+                                 ffi::AnyBuffer v_pages, ffi::AnyBuffer block_table,
+                                 ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
+                                 ffi::Result<ffi::AnyBuffer> workspace, float scale, float softcap,
+                                 int32_t window_left, int32_t num_splits) {
+  PagedAttentionParams p;
+  JAXGPU_RETURN_IF_ERROR(MakePagedAttentionParams(query, k_pages, v_pages, block_table, lengths,
+                                                  out, workspace, scale, softcap, window_left,
+                                                  num_splits, &p));
+  return CudaStatus(cuda::LaunchPagedAttention(p, stream), "paged_attention launch");
+}
+
+ffi::Error PagedKvUpdateFwdCuda(cudaStream_t stream, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+                                ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+                                ffi::AnyBuffer block_table, ffi::AnyBuffer positions,
+                                ffi::Result<ffi::AnyBuffer> k_out,
+                                ffi::Result<ffi::AnyBuffer> v_out) {
+  PagedKvUpdateParams p;
+  JAXGPU_RETURN_IF_ERROR(MakePagedKvUpdateParams(k_pages, v_pages, k_new, v_new, block_table,
+                                                 positions, k_out, v_out, &p));
+  // XLA aliases the results to the caches (input_output_aliases), so these copies never run
+  // from jaxgpu; they keep a direct call with separate buffers correct.
+  const size_t bytes = static_cast<size_t>(PagedKvPoolBytes(p));
+  if (p.k_pages != p.k_pages_in && bytes > 0) {
+    JAXGPU_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(p.k_pages, p.k_pages_in, bytes, cudaMemcpyDeviceToDevice, stream),
+        "paged_kv_update copy of k_pages"));
+  }
+  if (p.v_pages != p.v_pages_in && bytes > 0) {
+    JAXGPU_RETURN_IF_ERROR(CudaStatus(
+        cudaMemcpyAsync(p.v_pages, p.v_pages_in, bytes, cudaMemcpyDeviceToDevice, stream),
+        "paged_kv_update copy of v_pages"));
+  }
+  return CudaStatus(cuda::LaunchPagedKvUpdate(p, stream), "paged_kv_update launch");
+}
+
+}  // namespace
+}  // namespace jaxgpu
+
+namespace xffi = xla::ffi;
+
+#define JAXGPU_DECODE_CUDA_BIND() xffi::Ffi::Bind().Ctx<xffi::PlatformStream<cudaStream_t>>()
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedAttentionFwdCuda, jaxgpu::PagedAttentionFwdCuda,
+                              JAXGPU_PAGED_ATTENTION_FWD_BINDING(JAXGPU_DECODE_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateFwdCuda, jaxgpu::PagedKvUpdateFwdCuda,
+                              JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(JAXGPU_DECODE_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});

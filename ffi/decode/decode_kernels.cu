@@ -1,0 +1,411 @@
+// Decode attention over a paged KV cache (split-KV, "flash decoding"), its combine, and
+// the in-place cache update.
+//
+// Napkin math (H100, bf16, GQA 32/8, H = 128, Tq = 1): a token's K and V for the 8 kv heads
+// are 2 x 8 x 128 x 2 B = 4 KiB. B = 8 rows of L = 32k tokens is 1 GiB of cache that must be
+// read once: ~358 us at the ~3.0 TB/s a device copy reaches (cuDNN on a contiguous cache:
+// 377 us). Queries, the output and the split workspace are KBs to a few MB. B = 1, L = 4k:
+// 16 MiB, ~5.6 us of reading, so the launch, the split count and the combine dominate.
+// Compute per cache element: 2 x Tq x N/K FMAs (logit and P.V) plus the online softmax's
+// rescale once per kUnroll keys; at Tq x N/K = 4 that is ~10 float ops per 2-byte element,
+// ~15 TFLOP/s at 3 TB/s, under the ~60 TFLOP/s of the CUDA cores; at Tq x N/K = 32 (Tq =
+// 8) the CUDA cores would be the limit, which is why the rows are tiled (kRowTile) and a
+// tensor-core main loop is the next step for speculative decoding.
+//
+// Mapping. A block of the split kernel owns one (group, row, kv head), one split of the
+// row's keys, and kRowTile query rows of that kv head (the Tq new tokens times the N/K
+// query heads: with Tq x N/K <= kRowTile, every K/V byte is read once per kv head). A key's
+// H values are spread over kLanes lanes (8 values, 16 bytes of bf16, per lane), so a warp
+// holds 32 / kLanes independent key streams, each with its own online softmax (running
+// max, sum and output in float32); the streams are merged through shared memory at the
+// end. Each lane loads kUnroll keys' K and V vectors (16-byte loads, read through the
+// block table) before using any, so that enough bytes are in flight to cover the memory
+// latency. Logits are in the log2 domain: the scale times log2(e) is folded into the
+// query (softcap: the tanh input scale, with cap x log2(e) applied after), and exp2 is one
+// MUFU op.
+//
+// Splits. The host picks num_splits (jaxgpu/ops/decode.py: enough blocks for ~2 waves of an
+// H100 when batch x kv heads alone cannot fill it); each split takes an equal, contiguous
+// share of the row's ACTUAL visible key range at run time, so a short row in a long table
+// still spreads its keys over every split. With one split the block writes the output;
+// otherwise it writes its normalized partial output and log2-sum-exp to the float32
+// workspace, and the combine kernel weights the partials by exp2(lse_i - lse).
+//
+// Out of range. A row's key range is [max(0, len - Tq - window), len) for 0 <= len <=
+// M x S and empty otherwise (so the table is only read at columns < M); a key whose table
+// entry is outside [0, P) is masked and its page never loaded.
+#include "decode/decode_cuda.h"
+
+#include <cstdint>
+
+#include "common/cuda_dispatch.cuh"
+#include "common/cuda_utils.cuh"
+
+namespace jaxgpu::cuda {
+namespace {
+
+constexpr float kLog2e = 1.4426950408889634f;
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kRowTile = 8;  // query rows of one kv head per block
+constexpr int kUnroll = 4;   // keys per stream whose K and V loads are in flight at once
+constexpr int kPerLane = 8;  // head-dim values per lane: 16 bytes of a 16-bit type
+constexpr int kCombineThreads = 128;
+constexpr int kMaxCombineSplits = 1024;  // the handler's bound on num_splits
+
+// 8 consecutive values at `src` (16-byte aligned) as float.
+template <typename T>
+__device__ __forceinline__ void Load8(const T* src, float (&out)[kPerLane]);
+
+template <>
+__device__ __forceinline__ void Load8<float>(const float* src, float (&out)[kPerLane]) {
+  const float4 a = reinterpret_cast<const float4*>(src)[0];
+  const float4 b = reinterpret_cast<const float4*>(src)[1];
+  out[0] = a.x, out[1] = a.y, out[2] = a.z, out[3] = a.w;
+  out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
+}
+
+template <>
+__device__ __forceinline__ void Load8<__nv_bfloat16>(const __nv_bfloat16* src,
+                                                     float (&out)[kPerLane]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
+template <>
+__device__ __forceinline__ void Load8<__half>(const __half* src, float (&out)[kPerLane]) {
+  const uint4 raw = *reinterpret_cast<const uint4*>(src);
+  const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __half22float2(pairs[i]);
+    out[2 * i] = f.x, out[2 * i + 1] = f.y;
+  }
+}
+
+// The raw 16-bit (or float) storage of 8 values, loaded now and converted later: the loads
+// of kUnroll keys are all issued before the first conversion.
+template <typename T>
+struct Raw8 {
+  T v[kPerLane];
+};
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> LoadRaw(const T* src) {
+  Raw8<T> r;
+  if constexpr (sizeof(T) == 2) {
+    *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(src);
+  } else {
+    reinterpret_cast<float4*>(r.v)[0] = reinterpret_cast<const float4*>(src)[0];
+    reinterpret_cast<float4*>(r.v)[1] = reinterpret_cast<const float4*>(src)[1];
+  }
+  return r;
+}
+
+template <typename T>
+__device__ __forceinline__ Raw8<T> ZeroRaw() {
+  Raw8<T> r;
+#pragma unroll
+  for (int e = 0; e < kPerLane; ++e) r.v[e] = FromFloat<T>(0.f);
+  return r;
+}
+
+// The key range [begin, end) of row `len` that split `split` reads.
+struct KeyRange {
+  int64_t begin, end;
+};
+
+__device__ __forceinline__ KeyRange SplitRange(const PagedAttentionParams& p, int64_t len,
+                                               int split) {
+  const int64_t cap = p.max_pages * p.page_size;
+  const bool row_ok = len >= 0 && len <= cap;
+  const int64_t hi = row_ok ? len : 0;
+  int64_t lo = 0;
+  if (p.window_left >= 0) lo = len - p.q_len - p.window_left;
+  lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+  const int64_t chunk = CeilDiv(hi - lo, p.num_splits);
+  int64_t begin = lo + split * chunk;
+  begin = begin > hi ? hi : begin;
+  const int64_t end = begin + chunk > hi ? hi : begin + chunk;
+  return {begin, end};
+}
+
+template <typename T, int kLanes, bool kSoftcap>
+__global__ void __launch_bounds__(kThreads)
+    PagedAttentionSplitKernel(const PagedAttentionParams p, int64_t rows_per_kv) {
+  constexpr int kGroups = 32 / kLanes;  // key streams per warp
+  constexpr int kStreams = kWarps * kGroups;
+  constexpr int kWidth = kLanes * kPerLane;  // head-dim values a stream covers (>= H)
+  __shared__ float s_o[kStreams][kRowTile][kWidth];
+  __shared__ float s_m[kStreams][kRowTile];
+  __shared__ float s_l[kStreams][kRowTile];
+
+  const int64_t rk = blockIdx.x;  // (group x B + row) x K + kv head
+  const int split = blockIdx.y;
+  const int tile = blockIdx.z;
+  const int64_t r = rk / p.kv_heads;
+  const int64_t kvh = rk % p.kv_heads;
+  const int64_t g = r / p.batch;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int group = lane / kLanes, sub = lane % kLanes;
+  const int stream = warp * kGroups + group;
+  const int64_t H = p.head_dim, K = p.kv_heads, N = p.heads, S = p.page_size;
+  const int h0 = sub * kPerLane;
+  const bool h_ok = h0 < H;  // lanes past H (H not a power of two) carry zeros
+  const int64_t rep = N / K;
+  const int64_t len = p.lengths[r];
+  const KeyRange range = SplitRange(p, len, split);
+
+  const float fold = kSoftcap ? p.softcap * kLog2e : 0.f;
+  const float q_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const T* query = static_cast<const T*>(p.query);
+  float q[kRowTile][kPerLane];
+  int64_t pos[kRowTile];
+  bool live[kRowTile];
+#pragma unroll
+  for (int i = 0; i < kRowTile; ++i) {
+    const int64_t rr = int64_t(tile) * kRowTile + i;
+    live[i] = rr < rows_per_kv;
+    const int64_t t = live[i] ? rr / rep : 0, n = kvh * rep + (live[i] ? rr % rep : 0);
+    pos[i] = len - p.q_len + t;
+    if (live[i] && h_ok) {
+      Load8(query + ((r * p.q_len + t) * N + n) * H + h0, q[i]);
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) q[i][e] *= q_scale;
+    } else {
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) q[i][e] = 0.f;
+    }
+  }
+
+  float m[kRowTile], l[kRowTile], o[kRowTile][kPerLane];
+#pragma unroll
+  for (int i = 0; i < kRowTile; ++i) {
+    m[i] = -INFINITY;
+    l[i] = 0.f;
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) o[i][e] = 0.f;
+  }
+
+  const int64_t page_group = p.page_groups == 1 ? 0 : g;
+  const T* k_pool = static_cast<const T*>(p.k_pages) + page_group * p.num_pages * S * K * H;
+  const T* v_pool = static_cast<const T*>(p.v_pages) + page_group * p.num_pages * S * K * H;
+  const int32_t* table = p.block_table + r * p.max_pages;
+
+  // The loop bound is warp-uniform (the shuffles below need every lane): a warp steps over
+  // kGroups x kUnroll keys, its lane groups taking kUnroll consecutive keys each.
+  for (int64_t base = range.begin + int64_t(warp) * kGroups * kUnroll; base < range.end;
+       base += int64_t(kStreams) * kUnroll) {
+    Raw8<T> kr[kUnroll], vr[kUnroll];
+    bool ok[kUnroll];
+    int64_t key[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      key[u] = base + group * kUnroll + u;
+      ok[u] = key[u] < range.end;
+      int64_t at = 0;
+      if (ok[u]) {
+        const int64_t page = table[key[u] / S];
+        ok[u] = page >= 0 && page < p.num_pages;
+        at = ((page * S + key[u] % S) * K + kvh) * H + h0;
+      }
+      kr[u] = ok[u] && h_ok ? LoadRaw(k_pool + at) : ZeroRaw<T>();
+      vr[u] = ok[u] && h_ok ? LoadRaw(v_pool + at) : ZeroRaw<T>();
+    }
+    float s[kUnroll][kRowTile];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      float kf[kPerLane];
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) kf[e] = ToFloat(kr[u].v[e]);
+#pragma unroll
+      for (int i = 0; i < kRowTile; ++i) {
+        float dot = 0.f;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) dot = fmaf(q[i][e], kf[e], dot);
+#pragma unroll
+        for (int mask = kLanes / 2; mask >= 1; mask /= 2) {
+          dot += __shfl_xor_sync(0xffffffffu, dot, mask);
+        }
+        const float logit = kSoftcap ? fold * tanhf(dot) : dot;
+        const bool visible = ok[u] && live[i] && key[u] <= pos[i] &&
+                             (p.window_left < 0 || key[u] >= pos[i] - p.window_left);
+        s[u][i] = visible ? logit : -INFINITY;
+      }
+    }
+#pragma unroll
+    for (int i = 0; i < kRowTile; ++i) {
+      float top = m[i];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) top = fmaxf(top, s[u][i]);
+      if (top == -INFINITY) continue;        // nothing visible to this row yet
+      const float corr = exp2f(m[i] - top);  // 0 when m[i] is -inf
+      l[i] *= corr;
+#pragma unroll
+      for (int e = 0; e < kPerLane; ++e) o[i][e] *= corr;
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const float w = exp2f(s[u][i] - top);  // 0 for a masked key
+        l[i] += w;
+#pragma unroll
+        for (int e = 0; e < kPerLane; ++e) o[i][e] = fmaf(w, ToFloat(vr[u].v[e]), o[i][e]);
+      }
+      m[i] = top;
+    }
+  }
+
+  // Merge the streams: each stream's state to shared memory, then every (row, h) output
+  // from all of them.
+#pragma unroll
+  for (int i = 0; i < kRowTile; ++i) {
+#pragma unroll
+    for (int e = 0; e < kPerLane; ++e) s_o[stream][i][h0 + e] = o[i][e];
+    if (sub == 0) {
+      s_m[stream][i] = m[i];
+      s_l[stream][i] = l[i];
+    }
+  }
+  __syncthreads();
+  T* out = static_cast<T*>(p.out);
+  const int64_t n_partials = int64_t(gridDim.x) * p.num_splits;
+  for (int idx = threadIdx.x; idx < kRowTile * H; idx += kThreads) {
+    const int i = idx / H;
+    const int h = idx % H;
+    const int64_t rr = int64_t(tile) * kRowTile + i;
+    if (rr >= rows_per_kv) continue;
+    float top = -INFINITY;
+    for (int st = 0; st < kStreams; ++st) top = fmaxf(top, s_m[st][i]);
+    float sum = 0.f, acc = 0.f;
+    if (top != -INFINITY) {
+      for (int st = 0; st < kStreams; ++st) {
+        const float w = exp2f(s_m[st][i] - top);
+        sum = fmaf(w, s_l[st][i], sum);
+        acc = fmaf(w, s_o[st][i][h], acc);
+      }
+    }
+    const float value = sum > 0.f ? acc / sum : 0.f;
+    if (p.num_splits == 1) {
+      const int64_t t = rr / rep, n = kvh * rep + rr % rep;
+      out[((r * p.q_len + t) * N + n) * H + h] = FromFloat<T>(value);
+    } else {
+      const int64_t part = rk * p.num_splits + split;
+      p.workspace[(part * rows_per_kv + rr) * H + h] = value;
+      if (h == 0) {
+        float* lse = p.workspace + n_partials * rows_per_kv * H;
+        lse[part * rows_per_kv + rr] = sum > 0.f ? top + __log2f(sum) : -INFINITY;
+      }
+    }
+  }
+}
+
+// One block per (group, row, kv head, query row of the kv head): the splits' partial
+// outputs weighted by exp2(lse_i - max lse) / sum of the weights.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    PagedAttentionCombineKernel(const PagedAttentionParams p, int64_t rows_per_kv) {
+  __shared__ float s_w[kMaxCombineSplits];
+  const int64_t bid = blockIdx.x;
+  const int64_t rk = bid / rows_per_kv, rr = bid % rows_per_kv;
+  const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
+  const int64_t H = p.head_dim, rep = p.heads / p.kv_heads;
+  const int splits = p.num_splits;
+  const int64_t n_partials = int64_t(gridDim.x / rows_per_kv) * splits;
+  const float* lse = p.workspace + n_partials * rows_per_kv * H;
+  if (threadIdx.x == 0) {
+    float top = -INFINITY;
+    for (int sp = 0; sp < splits; ++sp)
+      top = fmaxf(top, lse[(rk * splits + sp) * rows_per_kv + rr]);
+    float total = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float w =
+          top == -INFINITY ? 0.f : exp2f(lse[(rk * splits + sp) * rows_per_kv + rr] - top);
+      s_w[sp] = w;
+      total += w;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int sp = 0; sp < splits; ++sp) s_w[sp] *= inv;
+  }
+  __syncthreads();
+  const int64_t t = rr / rep, n = kvh * rep + rr % rep;
+  T* out = static_cast<T*>(p.out) + ((r * p.q_len + t) * p.heads + n) * H;
+  for (int64_t h = threadIdx.x; h < H; h += kCombineThreads) {
+    float acc = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      // A split that saw nothing has weight 0 and a zero partial: it adds exactly 0.
+      acc = fmaf(s_w[sp], p.workspace[((rk * splits + sp) * rows_per_kv + rr) * H + h], acc);
+    }
+    out[h] = FromFloat<T>(acc);
+  }
+}
+
+// One block per new token: its K and V rows (K x H values each) copied to their slot in
+// 16-byte vectors, or nothing when the position or its page entry is out of range.
+__global__ void __launch_bounds__(kThreads)
+    PagedKvUpdateKernel(const PagedKvUpdateParams p, int64_t token_bytes) {
+  const int64_t token = blockIdx.x;  // (group x B + row) x Tn + t
+  const int64_t r = token / p.new_len;
+  const int64_t g = r / p.batch;
+  const int64_t pos = p.positions[token];
+  const int64_t cap = p.max_pages * p.page_size;
+  if (pos < 0 || pos >= cap) return;
+  const int64_t page = p.block_table[r * p.max_pages + pos / p.page_size];
+  if (page < 0 || page >= p.num_pages) return;
+  const int64_t slot = (g * p.num_pages + page) * p.page_size + pos % p.page_size;
+  const int64_t vecs = token_bytes / 16;
+  const uint4* k_src =
+      reinterpret_cast<const uint4*>(static_cast<const char*>(p.k_new) + token * token_bytes);
+  const uint4* v_src =
+      reinterpret_cast<const uint4*>(static_cast<const char*>(p.v_new) + token * token_bytes);
+  uint4* k_dst = reinterpret_cast<uint4*>(static_cast<char*>(p.k_pages) + slot * token_bytes);
+  uint4* v_dst = reinterpret_cast<uint4*>(static_cast<char*>(p.v_pages) + slot * token_bytes);
+  for (int64_t i = threadIdx.x; i < vecs; i += kThreads) {
+    k_dst[i] = k_src[i];
+    v_dst[i] = v_src[i];
+  }
+}
+
+}  // namespace
+
+cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {
+  const int64_t blocks = p.groups * p.batch * p.kv_heads;
+  if (blocks == 0 || p.heads == 0) return cudaSuccess;
+  const int64_t rows_per_kv = PagedAttentionRowsPerKvHead(p);
+  const int64_t tiles = CeilDiv(rows_per_kv, kRowTile);
+  if (blocks > INT32_MAX || tiles > 65535 || p.num_splits > kMaxCombineSplits ||
+      blocks * rows_per_kv > INT32_MAX) {
+    return cudaErrorInvalidConfiguration;
+  }
+  const dim3 grid(unsigned(blocks), unsigned(p.num_splits), unsigned(tiles));
+  const int lanes = NextPow2(CeilDiv(p.head_dim, kPerLane));
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
+    return JAXGPU_INT_SWITCH(lanes, kLanes, (1, 2, 4, 8, 16, 32), [&] {
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+        PagedAttentionSplitKernel<T, kLanes, kSoftcap>
+            <<<grid, kThreads, 0, stream>>>(p, rows_per_kv);
+        cudaError_t err = cudaGetLastError();
+        if (err != cudaSuccess || p.num_splits == 1) return err;
+        PagedAttentionCombineKernel<T>
+            <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(p, rows_per_kv);
+        return cudaGetLastError();
+      });
+    });
+  });
+}
+
+cudaError_t LaunchPagedKvUpdate(const PagedKvUpdateParams& p, cudaStream_t stream) {
+  const int64_t tokens = p.groups * p.batch * p.new_len;
+  if (tokens == 0 || p.num_pages == 0 || p.max_pages == 0) return cudaSuccess;
+  if (tokens > INT32_MAX) return cudaErrorInvalidConfiguration;
+  // K x H is a multiple of 8 values (H is): a whole number of 16-byte vectors per token.
+  const int64_t token_bytes = DTypeBytes(p.dtype, p.kv_heads * p.head_dim);
+  if (token_bytes % 16 != 0) return cudaErrorInvalidValue;
+  PagedKvUpdateKernel<<<unsigned(tokens), kThreads, 0, stream>>>(p, token_bytes);
+  return cudaGetLastError();
+}
+
+}  // namespace jaxgpu::cuda
