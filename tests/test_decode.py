@@ -1,0 +1,220 @@
+"""decode: paged_attention and paged_kv_update numerics against the float64 oracles of
+tests/specs/decode.py, over every implementation (the 'cuda' cases carry the `gpu` marker),
+the out-of-range semantics, the in-place update, and the trace-time checks. The transform
+contract (vmap, sharding, shard_map, pmap, bad inputs, size 0) is tests/test_contract.py's.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import jaxgpu
+from jaxgpu.ops import decode as ops
+
+import oracle
+from specs.decode import (Case, jnp_paged_attention, make_attention, make_update,
+                          np_kv_update, np_paged_attention)
+
+CASES = [
+    Case(jnp.bfloat16),                                           # GQA 4/2, one new token
+    Case(jnp.float16, q_len=4, heads=8, kv_heads=1),              # MQA, 4 new tokens
+    Case(jnp.float32, q_len=16, heads=2, kv_heads=2, head_dim=8),  # MHA, Tq = 16, H = 8
+    Case(jnp.bfloat16, q_len=8, heads=8, kv_heads=2, head_dim=128, page_size=16,
+         max_pages=6, softcap=20.0),                              # Tq x N/K = 32 rows
+    Case(jnp.bfloat16, q_len=3, heads=4, kv_heads=2, head_dim=96, page_size=24, window=17),
+    Case(jnp.float16, batch=5, heads=32, kv_heads=8, head_dim=256, page_size=8, max_pages=9,
+         softcap=50.0, window=30, shared_prefix=3),
+    # One row, a long table: several KV splits on the GPU (ops.num_splits > 1).
+    Case(jnp.bfloat16, batch=1, q_len=2, heads=4, kv_heads=1, head_dim=64, page_size=32,
+         max_pages=40, zero_row=False),
+]
+
+
+def _check_attention(arrays, static, got, what):
+  exact = np_paged_attention(*(np.asarray(arrays[k]) for k in
+                               ("query", "k_pages", "v_pages", "block_table", "lengths")),
+                             **static)
+  lowp = jnp_paged_attention(**arrays, **static)
+  oracle.check(got, exact, lowp, what=what)
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
+def test_paged_attention_matches_oracle(case, implementation, rng):
+  inputs = make_attention(rng, case)
+  got = jax.jit(lambda a: jaxgpu.paged_attention(**a, **inputs.static,
+                                                 implementation=implementation))(inputs.arrays)
+  assert got.shape == inputs.arrays["query"].shape and got.dtype == case.dtype
+  _check_attention(inputs.arrays, inputs.static, got, case.id())
+
+
+def test_several_splits_case_really_splits():
+  """The long-table case above runs the split-KV path with its combine on the GPU."""
+  case = CASES[-1]
+  assert ops.num_splits(case.batch * case.kv_heads, case.max_pages) > 1
+
+
+def test_custom_scale(implementation, rng):
+  case = Case(jnp.bfloat16, q_len=2)
+  inputs = make_attention(rng, case)
+  static = dict(inputs.static, scale=0.37)
+  got = jaxgpu.paged_attention(**inputs.arrays, **static, implementation=implementation)
+  _check_attention(inputs.arrays, static, got, "scale=0.37")
+
+
+def test_zero_length_row_and_short_rows_are_zero(implementation, rng):
+  """A row of length 0 outputs zeros; with length < Tq, the new tokens at negative
+  positions see nothing and output zeros, the others attend normally."""
+  case = Case(jnp.float32, batch=3, q_len=4)
+  arrays = dict(make_attention(rng, case).arrays)
+  arrays["lengths"] = jnp.asarray([0, 2, 13], jnp.int32)
+  got = np.asarray(jaxgpu.paged_attention(**arrays, implementation=implementation))
+  assert not got[0].any()
+  assert not got[1, :2].any() and got[1, 2:].any()
+  _check_attention(arrays, {}, got, "short rows")
+
+
+def test_traced_out_of_range_is_masked(implementation, rng):
+  """Traced lengths past the capacity give zeros for the row; traced table entries
+  outside [0, P) mask their keys. Never an out-of-bounds read (compute-sanitizer on the
+  GPU would flag one), and the values are the documented ones."""
+  case = Case(jnp.float32, batch=4, q_len=2, max_pages=3)
+  arrays = dict(make_attention(rng, case).arrays)
+  table = np.asarray(arrays["block_table"]).copy()
+  table[2, 1] = case.num_pages + 5
+  table[3, 0] = -7
+  arrays["block_table"] = jnp.asarray(table)
+  cap = case.max_pages * case.page_size
+  arrays["lengths"] = jnp.asarray([cap + 1, -3, cap, cap - 1], jnp.int32)
+  f = jax.jit(lambda a: jaxgpu.paged_attention(**a, implementation=implementation))
+  got = np.asarray(f(arrays))
+  assert not got[:2].any()
+  assert np.isfinite(got).all()
+  _check_attention(arrays, {}, got, "traced out of range")
+
+
+@pytest.mark.parametrize("case", CASES[:4], ids=lambda c: c.id())
+def test_update_then_attend_equals_contiguous_attention(case, implementation, rng):
+  """Prefill a paged cache token by token chunks with paged_kv_update, then attend: the
+  same result as jax's own attention over the contiguous cache (causal among the new
+  tokens, bottom-right aligned)."""
+  case = dataclasses.replace(case, shared_prefix=0, softcap=None, window=None)
+  b, s, m = case.batch, case.page_size, case.max_pages
+  cap = m * s
+  keys = oracle.randn(rng, (b, cap, case.kv_heads, case.head_dim), case.dtype)
+  vals = oracle.randn(rng, (b, cap, case.kv_heads, case.head_dim), case.dtype)
+  lengths = np.maximum(rng.integers(case.q_len, cap + 1, size=b), case.q_len).astype(np.int32)
+  pool = (case.num_pages, s, case.kv_heads, case.head_dim)
+  k_pages = jnp.zeros(pool, case.dtype)
+  v_pages = jnp.zeros(pool, case.dtype)
+  table = jnp.asarray(rng.permutation(case.num_pages)[:b * m].reshape(b, m).astype(np.int32))
+  update = jax.jit(lambda kp, vp, kn, vn, pos: jaxgpu.paged_kv_update(
+      kp, vp, kn, vn, table, pos, implementation=implementation), donate_argnums=(0, 1))
+  chunk = 8
+  for start in range(0, cap, chunk):
+    pos = start + np.arange(chunk)[None, :] + np.zeros((b, 1), np.int64)
+    pos = np.where(pos < lengths[:, None], pos, -1).astype(np.int32)
+    k_pages, v_pages = update(k_pages, v_pages, keys[:, start:start + chunk],
+                              vals[:, start:start + chunk], jnp.asarray(pos))
+  query = oracle.randn(rng, (b, case.q_len, case.heads, case.head_dim), case.dtype)
+  got = jaxgpu.paged_attention(query, k_pages, v_pages, table, jnp.asarray(lengths),
+                               implementation=implementation)
+  for r in range(b):
+    n = int(lengths[r])
+    want = jax.nn.dot_product_attention(
+        query[r:r + 1].astype(jnp.float32), keys[r:r + 1, :n].astype(jnp.float32),
+        vals[r:r + 1, :n].astype(jnp.float32),
+        mask=(np.arange(n)[None, :] <= n - case.q_len + np.arange(case.q_len)[:, None]))
+    # The contiguous cache as a paged one with the identity table: the float64 oracle.
+    exact = np_paged_attention(np.asarray(query[r:r + 1]),
+                               np.asarray(keys[r]).reshape(m, s, case.kv_heads, -1),
+                               np.asarray(vals[r]).reshape(m, s, case.kv_heads, -1),
+                               np.arange(m, dtype=np.int32)[None], np.asarray([n]))
+    oracle.check(got[r:r + 1], exact, want.astype(case.dtype), what=f"row {r}")
+
+
+@pytest.mark.parametrize("dtype", oracle.DTYPES, ids=lambda d: jnp.dtype(d).name)
+def test_kv_update_matches_oracle(dtype, implementation, rng):
+  case = Case(dtype, batch=3, q_len=5, heads=4, kv_heads=2, head_dim=40, page_size=16)
+  arrays = make_update(rng, case).arrays
+  got = jaxgpu.paged_kv_update(**arrays, implementation=implementation)
+  want = np_kv_update(*(np.asarray(arrays[k]) for k in
+                        ("k_pages", "v_pages", "k_new", "v_new", "block_table", "positions")))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                  np.asarray(w.astype(np.float32)))
+
+
+def test_kv_update_traced_out_of_range_is_skipped(implementation, rng):
+  case = Case(jnp.float32, batch=2, q_len=3)
+  arrays = dict(make_update(rng, case).arrays)
+  cap = case.max_pages * case.page_size
+  arrays["positions"] = jnp.asarray([[cap, -5, 3], [cap + 100, 9, 2]], jnp.int32)
+  table = np.asarray(arrays["block_table"]).copy()
+  table[1, 9 // case.page_size] = case.num_pages  # token (1, 1) maps to no page
+  arrays["block_table"] = jnp.asarray(table)
+  got = jax.jit(lambda a: jaxgpu.paged_kv_update(**a, implementation=implementation))(arrays)
+  want = np_kv_update(*(np.asarray(arrays[k]) for k in
+                        ("k_pages", "v_pages", "k_new", "v_new", "block_table", "positions")))
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g), w)
+
+
+def test_kv_update_in_place_with_donation(implementation, rng):
+  """Donated caches: the compiled module aliases them to the results (no cache copy)."""
+  if implementation == "xla":
+    pytest.skip("the reference's scatter is XLA's business")
+  arrays = make_update(rng, Case(jnp.bfloat16, q_len=2)).arrays
+  rest = {k: v for k, v in arrays.items() if k not in ("k_pages", "v_pages")}
+  f = jax.jit(lambda kp, vp: jaxgpu.paged_kv_update(kp, vp, **rest,
+                                                    implementation=implementation),
+              donate_argnums=(0, 1))
+  hlo = f.lower(arrays["k_pages"], arrays["v_pages"]).compile().as_text()
+  assert "input_output_alias" in hlo
+  line = next(ln for ln in hlo.splitlines() if "jaxgpu_paged_kv_update_fwd" in ln)
+  assert "output_to_operand_aliasing" in line, line
+
+
+def test_concrete_bad_indices_raise(rng):
+  """Concrete lengths and table entries are checked once at trace time."""
+  case = Case(jnp.float32, batch=2, q_len=2)
+  arrays = make_attention(rng, case).arrays
+  cap = case.max_pages * case.page_size
+  with pytest.raises(ValueError, match=r"lengths must be in \[0, 32\]"):
+    jaxgpu.paged_attention(**{**arrays, "lengths": np.array([cap + 1, 0], np.int32)})
+  with pytest.raises(ValueError, match="lengths"):
+    jaxgpu.paged_attention(**{**arrays, "lengths": np.array([-1, 0], np.int32)})
+  table = np.asarray(arrays["block_table"]).copy()
+  table[0, 2] = case.num_pages
+  with pytest.raises(ValueError, match=r"block_table.*at \[0, 2\]"):
+    jaxgpu.paged_attention(**{**arrays, "block_table": table,
+                              "lengths": np.array([cap, 0], np.int32)})
+  # Entries past a row's length are never read: -1 padding is fine.
+  table[0, 2:] = -1
+  jaxgpu.paged_attention(**{**arrays, "block_table": table,
+                            "lengths": np.array([2 * case.page_size, 0], np.int32)})
+  upd = make_update(rng, case).arrays
+  with pytest.raises(ValueError, match=r"positions must be < 32"):
+    jaxgpu.paged_kv_update(**{**upd, "positions": np.array([[cap, 1], [2, 3]], np.int32)})
+  bad_table = np.full(np.asarray(upd["block_table"]).shape, -2, np.int32)
+  with pytest.raises(ValueError, match=r"block_table entries of the pages written"):
+    jaxgpu.paged_kv_update(**{**upd, "block_table": bad_table})
+
+
+def test_grad_refused():
+  arrays = make_attention(np.random.default_rng(0), Case(jnp.float32)).arrays
+  with pytest.raises(ValueError, match="cannot be differentiated"):
+    jax.grad(lambda q: jaxgpu.paged_attention(q, *list(arrays.values())[1:]).sum())(
+        arrays["query"])
+
+
+def test_workspace_size_is_bounded():
+  """The split count aims at a fixed number of blocks, so the workspace stays small."""
+  for rows in (1, 8, 64, 512):
+    splits, work = ops.workspace_size(1, rows, 8, 8, 32, 128, 2048)
+    assert splits * rows * 8 <= 2 * ops._TARGET_BLOCKS or splits == 1
+    assert work * 4 < 64 << 20
