@@ -34,6 +34,22 @@
 // Out of range. A row's key range is [max(0, len - Tq - window), len) for 0 <= len <=
 // M x S and empty otherwise (so the table is only read at columns < M); a key whose table
 // entry is outside [0, P) is masked and its page never loaded.
+//
+// Registers. 128 threads at up to 255 registers (2 blocks an SM): q and o (kRowTile x 8
+// floats each), the raw K/V of kUnroll keys and the running max and sum fill them. Spills
+// (ptxas -v, sm_90a, nvcc 13.0; spill stores/loads in bytes per thread), before -> after
+// positions and keys in int32 (they were int64: two registers each, 64-bit divisions per
+// key) and the logits computed row by row (only kUnroll of them live, not kUnroll x
+// kRowTile), by kLanes = 32, 16, 8, 4, 2, 1:
+//   bf16 plain    68/164->8/72  84/180->4/4  84/180->4/4  84/180->4/4  84/180->4/4  60/156->0/0
+//   bf16 softcap  116/212->16/112  124/220->16/84  124/220->16/84  124/220->16/84  116/212->12/76
+//                 28/60->4/8
+//   half plain    0/0 before and after, every kLanes
+//   half softcap  28/124->0/0  20/116->0/0  28/124->0/0  28/124->0/0  28/124->0/0  0/0->0/0
+//   f32  plain    68/164->8/40  84/180->4/4  84/180->4/4  84/180->4/4  84/180->0/0  60/156->0/0
+//   f32  softcap  124/220->16/112  152/244->16/84  144/236->16/84  144/236->16/84  132/228->12/80
+//                 36/68->8/44
+// The order of every row's arithmetic is unchanged. Not yet measured on a GPU.
 #include "decode/decode_cuda.h"
 
 #include <cstdint>
@@ -115,9 +131,10 @@ __device__ __forceinline__ Raw8<T> ZeroRaw() {
   return r;
 }
 
-// The key range [begin, end) of row `len` that split `split` reads.
+// The key range [begin, end) of row `len` that split `split` reads. Both fit int32: a range
+// is empty unless 0 <= len <= M x S, and then end <= len, an int32.
 struct KeyRange {
-  int64_t begin, end;
+  int32_t begin, end;
 };
 
 __device__ __forceinline__ KeyRange SplitRange(const PagedAttentionParams& p, int64_t len,
@@ -132,7 +149,7 @@ __device__ __forceinline__ KeyRange SplitRange(const PagedAttentionParams& p, in
   int64_t begin = lo + split * chunk;
   begin = begin > hi ? hi : begin;
   const int64_t end = begin + chunk > hi ? hi : begin + chunk;
-  return {begin, end};
+  return {int32_t(begin), int32_t(end)};
 }
 
 template <typename T, int kLanes, bool kSoftcap>
@@ -154,26 +171,31 @@ __global__ void __launch_bounds__(kThreads)
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int group = lane / kLanes, sub = lane % kLanes;
   const int stream = warp * kGroups + group;
-  const int64_t H = p.head_dim, K = p.kv_heads, N = p.heads, S = p.page_size;
+  const int64_t H = p.head_dim, K = p.kv_heads, N = p.heads;
+  const int32_t S = int32_t(p.page_size);  // the launcher checks S x K x H < 2^31
   const int h0 = sub * kPerLane;
   const bool h_ok = h0 < H;  // lanes past H (H not a power of two) carry zeros
   const int64_t rep = N / K;
   const int64_t len = p.lengths[r];
   const KeyRange range = SplitRange(p, len, split);
+  // Positions are int32 (lengths are): 64-bit positions and keys cost the registers that made
+  // this kernel spill. A row with an empty range never compares them.
+  const int32_t pos0 = range.end > range.begin ? int32_t(len - p.q_len) : 0;
+  const int32_t window = p.window_left;
+  const int64_t live_rows = rows_per_kv - int64_t(tile) * kRowTile;  // rows i < this are real
 
   const float fold = kSoftcap ? p.softcap * kLog2e : 0.f;
   const float q_scale = kSoftcap ? p.scale / p.softcap : p.scale * kLog2e;
   const T* query = static_cast<const T*>(p.query);
   float q[kRowTile][kPerLane];
-  int64_t pos[kRowTile];
-  bool live[kRowTile];
+  int32_t pos[kRowTile];
 #pragma unroll
   for (int i = 0; i < kRowTile; ++i) {
+    const bool live = i < live_rows;
     const int64_t rr = int64_t(tile) * kRowTile + i;
-    live[i] = rr < rows_per_kv;
-    const int64_t t = live[i] ? rr / rep : 0, n = kvh * rep + (live[i] ? rr % rep : 0);
-    pos[i] = len - p.q_len + t;
-    if (live[i] && h_ok) {
+    const int64_t t = live ? rr / rep : 0, n = kvh * rep + (live ? rr % rep : 0);
+    pos[i] = pos0 + int32_t(t);
+    if (live && h_ok) {
       Load8(query + ((r * p.q_len + t) * N + n) * H + h0, q[i]);
 #pragma unroll
       for (int e = 0; e < kPerLane; ++e) q[i][e] *= q_scale;
@@ -192,57 +214,73 @@ __global__ void __launch_bounds__(kThreads)
     for (int e = 0; e < kPerLane; ++e) o[i][e] = 0.f;
   }
 
+  // This lane's (kv head, h0) column of slot 0 of page 0; a key adds page x page_stride +
+  // slot x token_stride, one 64-bit multiply-add.
   const int64_t page_group = p.page_groups == 1 ? 0 : g;
-  const T* k_pool = static_cast<const T*>(p.k_pages) + page_group * p.num_pages * S * K * H;
-  const T* v_pool = static_cast<const T*>(p.v_pages) + page_group * p.num_pages * S * K * H;
+  const int64_t page_stride = int64_t(S) * K * H;
+  const int32_t token_stride = int32_t(K * H);
+  const int64_t column = page_group * p.num_pages * page_stride + kvh * H + h0;
+  const T* k_pool = static_cast<const T*>(p.k_pages) + column;
+  const T* v_pool = static_cast<const T*>(p.v_pages) + column;
   const int32_t* table = p.block_table + r * p.max_pages;
+  const int32_t num_pages = p.num_pages > INT32_MAX ? INT32_MAX : int32_t(p.num_pages);
 
   // The loop bound is warp-uniform (the shuffles below need every lane): a warp steps over
-  // kGroups x kUnroll keys, its lane groups taking kUnroll consecutive keys each.
-  for (int64_t base = range.begin + int64_t(warp) * kGroups * kUnroll; base < range.end;
-       base += int64_t(kStreams) * kUnroll) {
+  // kGroups x kUnroll keys, its lane groups taking kUnroll consecutive keys each. Offsets
+  // from range.begin are unsigned: count < 2^31, so offset + step cannot wrap.
+  const uint32_t count = uint32_t(range.end - range.begin);
+  for (uint32_t base = uint32_t(warp) * kGroups * kUnroll; base < count;
+       base += uint32_t(kStreams) * kUnroll) {
     Raw8<T> kr[kUnroll], vr[kUnroll];
     bool ok[kUnroll];
-    int64_t key[kUnroll];
+    int32_t key[kUnroll];  // meaningful where ok: then < range.end, an int32
+    // kUnroll <= 8 <= S consecutive keys cross at most one page boundary: one division for
+    // the first key, the others step from it.
+    const uint32_t first = base + uint32_t(group) * kUnroll;
+    const int32_t key0 = first < count ? range.begin + int32_t(first) : 0;
+    const int32_t col0 = key0 / S;
+    const int32_t slot0 = key0 - col0 * S;
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      key[u] = base + group * kUnroll + u;
-      ok[u] = key[u] < range.end;
+      ok[u] = first + u < count;
+      key[u] = ok[u] ? key0 + u : 0;
+      const bool next = slot0 + u >= S;
+      const int32_t col = col0 + (next ? 1 : 0);
+      const int32_t slot = slot0 + u - (next ? S : 0);
       int64_t at = 0;
       if (ok[u]) {
-        const int64_t page = table[key[u] / S];
-        ok[u] = page >= 0 && page < p.num_pages;
-        at = ((page * S + key[u] % S) * K + kvh) * H + h0;
+        const int32_t page = table[col];
+        ok[u] = page >= 0 && page < num_pages;
+        at = int64_t(page) * page_stride + slot * token_stride;
       }
       kr[u] = ok[u] && h_ok ? LoadRaw(k_pool + at) : ZeroRaw<T>();
       vr[u] = ok[u] && h_ok ? LoadRaw(v_pool + at) : ZeroRaw<T>();
     }
-    float s[kUnroll][kRowTile];
+    // Row by row: only this row's kUnroll logits are live (a [kUnroll][kRowTile] array of
+    // them, with q, o and the raw K/V, was what spilled). The arithmetic, and its order per
+    // row, is unchanged.
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      float kf[kPerLane];
+    for (int i = 0; i < kRowTile; ++i) {
+      float s[kUnroll];
 #pragma unroll
-      for (int e = 0; e < kPerLane; ++e) kf[e] = ToFloat(kr[u].v[e]);
-#pragma unroll
-      for (int i = 0; i < kRowTile; ++i) {
+      for (int u = 0; u < kUnroll; ++u) {
         float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) dot = fmaf(q[i][e], kf[e], dot);
+        for (int e = 0; e < kPerLane; ++e) dot = fmaf(q[i][e], ToFloat(kr[u].v[e]), dot);
 #pragma unroll
         for (int mask = kLanes / 2; mask >= 1; mask /= 2) {
           dot += __shfl_xor_sync(0xffffffffu, dot, mask);
         }
         const float logit = kSoftcap ? fold * tanhf(dot) : dot;
-        const bool visible = ok[u] && live[i] && key[u] <= pos[i] &&
-                             (p.window_left < 0 || key[u] >= pos[i] - p.window_left);
-        s[u][i] = visible ? logit : -INFINITY;
+        // pos - key cannot overflow: a valid key is in [0, len) and pos >= len - 16.
+        const int32_t behind = pos[i] - key[u];
+        const bool visible =
+            ok[u] && i < live_rows && behind >= 0 && (window < 0 || behind <= window);
+        s[u] = visible ? logit : -INFINITY;
       }
-    }
-#pragma unroll
-    for (int i = 0; i < kRowTile; ++i) {
       float top = m[i];
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) top = fmaxf(top, s[u][i]);
+      for (int u = 0; u < kUnroll; ++u) top = fmaxf(top, s[u]);
       if (top == -INFINITY) continue;        // nothing visible to this row yet
       const float corr = exp2f(m[i] - top);  // 0 when m[i] is -inf
       l[i] *= corr;
@@ -250,7 +288,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int e = 0; e < kPerLane; ++e) o[i][e] *= corr;
 #pragma unroll
       for (int u = 0; u < kUnroll; ++u) {
-        const float w = exp2f(s[u][i] - top);  // 0 for a masked key
+        const float w = exp2f(s[u] - top);  // 0 for a masked key
         l[i] += w;
 #pragma unroll
         for (int e = 0; e < kPerLane; ++e) o[i][e] = fmaf(w, ToFloat(vr[u].v[e]), o[i][e]);
@@ -376,8 +414,9 @@ cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t str
   if (blocks == 0 || p.heads == 0) return cudaSuccess;
   const int64_t rows_per_kv = PagedAttentionRowsPerKvHead(p);
   const int64_t tiles = CeilDiv(rows_per_kv, kRowTile);
+  // The split kernel indexes within a page and a token in int32 (decode_kernels.cu's top).
   if (blocks > INT32_MAX || tiles > 65535 || p.num_splits > kMaxCombineSplits ||
-      blocks * rows_per_kv > INT32_MAX) {
+      blocks * rows_per_kv > INT32_MAX || p.page_size * p.kv_heads * p.head_dim > INT32_MAX) {
     return cudaErrorInvalidConfiguration;
   }
   const dim3 grid(unsigned(blocks), unsigned(p.num_splits), unsigned(tiles));
