@@ -259,6 +259,16 @@ def _check_window(op: str, local_window_size):
   return left
 
 
+def _check_block_table(op, block_table, b: int):
+  """block_table as a (b, max_pages) int32 array; ValueError naming it otherwise."""
+  block_table = _checks.as_array(op, "block_table", block_table)
+  if block_table.ndim != 2:
+    raise ValueError(f"{op}: block_table must have rank 2 (B, max_pages), got shape "
+                     f"{tuple(block_table.shape)}")
+  return _int32_array(op, "block_table", block_table, (b, block_table.shape[1]),
+                      "(B, max_pages)")
+
+
 def _check_attention(op, query, k_pages, v_pages, block_table, lengths, scale, logit_softcap,
                      local_window_size):
   query = _checks.float_array(op, "query", query)
@@ -273,12 +283,8 @@ def _check_attention(op, query, k_pages, v_pages, block_table, lengths, scale, l
   num_pages, page_size, kv, _ = k_pages.shape
   if n % kv:
     raise ValueError(f"{op}: query's heads ({n}) must be a multiple of the kv heads ({kv})")
-  block_table = _checks.as_array(op, "block_table", block_table)
-  if block_table.ndim != 2:
-    raise ValueError(f"{op}: block_table must have rank 2 (B, max_pages), got shape "
-                     f"{tuple(block_table.shape)}")
+  block_table = _check_block_table(op, block_table, b)
   max_pages = block_table.shape[1]
-  block_table = _int32_array(op, "block_table", block_table, (b, max_pages), "(B, max_pages)")
   lengths = _int32_array(op, "lengths", lengths, (b,), "(B,), the query's batch")
   capacity = max_pages * page_size
   lens = _concrete(lengths)
@@ -312,12 +318,8 @@ def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions):
   v_new = _checks.float_array(op, "v_new", v_new)
   _checks.shape_is(op, "v_new", v_new, k_new.shape, "the shape of k_new")
   _checks.same_dtype(op, "v_new", v_new, "k_pages", k_pages)
-  block_table = _checks.as_array(op, "block_table", block_table)
-  if block_table.ndim != 2:
-    raise ValueError(f"{op}: block_table must have rank 2 (B, max_pages), got shape "
-                     f"{tuple(block_table.shape)}")
+  block_table = _check_block_table(op, block_table, b)
   max_pages = block_table.shape[1]
-  block_table = _int32_array(op, "block_table", block_table, (b, max_pages), "(B, max_pages)")
   positions = _int32_array(op, "positions", positions, (b, tn), "(B, Tn), as k_new")
   pos, table = _concrete(positions), _concrete(block_table)
   if pos is not None and pos.size:
