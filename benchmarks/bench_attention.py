@@ -190,13 +190,11 @@ def make_inputs(key, case: Case, dtype, pass_: str):
                          with_do=pass_ != "fwd")
 
 
-def _skip(skipped: list, case: Case, pass_: str, impl: str, why: str) -> None:
-    msg = f"{case.op} {case.label()} {pass_} {impl}: {why}"
-    print(f"   skipped {msg}", flush=True)
-    skipped.append(msg)
+def _skip(bench: harness.Bench, case: Case, pass_: str, impl: str, why: str) -> None:
+    bench.skip(f"{case.op} {case.label()} {pass_} {impl}", why)
 
 
-def _runnable(fns: dict, arg_sets, case: Case, pass_: str, skipped: list) -> dict:
+def _runnable(bench: harness.Bench, fns: dict, arg_sets, case: Case, pass_: str) -> dict:
     """The implementations that run one call of this case; the others are skipped with the
     first line of their error (out of memory, an unsupported head dim, not built)."""
     import jax
@@ -209,7 +207,7 @@ def _runnable(fns: dict, arg_sets, case: Case, pass_: str, skipped: list) -> dic
         except Exception as e:  # noqa: BLE001 (any failure of a baseline is a skip)
             first = str(e).strip().splitlines()[0] if str(e).strip() else ""
             oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-            _skip(skipped, case, pass_, impl,
+            _skip(bench, case, pass_, impl,
                   ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
     return ok
 
@@ -247,7 +245,6 @@ def run(bench: harness.Bench) -> None:
         bench.config.repeats = 5  # ~24 cases x 4 implementations within a few GPU minutes
     dtype = jnp.dtype(DTYPE)
     cases = QUICK_CASES if bench.quick else CASES
-    skipped: list[str] = []
     plain_times: dict = {}  # (T, H, pass) -> our plain non-causal MHA time, for the probe
     key = jax.random.PRNGKey(0)
     for case in cases:
@@ -262,10 +259,10 @@ def run(bench: harness.Bench) -> None:
             for impl in impls:
                 why = supported(impl, case, bench.quick)
                 if why:
-                    _skip(skipped, case, pass_, impl, why)
+                    _skip(bench, case, pass_, impl, why)
                 else:
                     fns[impl] = make(impl, case)
-            fns = _runnable(fns, arg_sets, case, pass_, skipped)
+            fns = _runnable(bench, fns, arg_sets, case, pass_)
             if not fns:
                 continue
             recs = bench.run_case(op=case.op, case=case.label(), pass_=pass_,
@@ -285,7 +282,6 @@ def run(bench: harness.Bench) -> None:
                       + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]"
                          if r.target else ""), flush=True)
             del arg_sets, fns
-    bench.meta["skipped"] = skipped
 
 
 if __name__ == "__main__":

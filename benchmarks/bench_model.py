@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 import os
 import statistics
 import sys
@@ -85,18 +86,22 @@ def _config(name: str, quick: bool):
 # ---- FLOPs and bytes ---------------------------------------------------------------------------
 
 
+def _param_sizes(config) -> list[tuple[int, ...]]:
+  import jax
+
+  from jaxgpu.models import gemma
+
+  return jax.tree.leaves(gemma.param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
+
+
 def matmul_params(config) -> int:
-  """Weights every token multiplies by (the embedding counted once, as the output matmul)."""
-  d, h = config.d_model, config.head_dim
-  attn = d * h * (2 * config.n_heads + 2 * config.n_kv_heads)
-  mlp = 3 * d * config.ffn_dim
-  return config.n_layers * (attn + mlp) + config.vocab_size * d
+  """Weights every token multiplies by: the matrices (the embedding counted once, as the
+  output matmul), not the norm vectors."""
+  return sum(math.prod(s) for s in _param_sizes(config) if len(s) > 1)
 
 
 def param_bytes(config, itemsize=2) -> int:
-  norms = config.d_model * (4 * config.n_layers + 1)
-  qk = 2 * config.head_dim * config.n_layers if config.qk_norm else 0
-  return itemsize * (matmul_params(config) + norms + qk)
+  return itemsize * sum(math.prod(s) for s in _param_sizes(config))
 
 
 def visible_keys(config, layer: int, t: int) -> float:
@@ -179,11 +184,6 @@ def _anchor_ratios(records) -> None:
       r.vs_anchor = anchor[0].time_us / r.time_us
 
 
-def _skip(bench, what: str, why: str) -> None:
-  print(f"  skipped {what}: {why}", flush=True)
-  bench.failures.append(f"skipped {what}: {why}")
-
-
 # ---- parts ------------------------------------------------------------------------------------
 
 
@@ -249,7 +249,7 @@ def train(bench, name: str) -> None:
       continue
     step_fn, mem, compile_s = compiled.pop(impl.name)
     if limit and mem > 0.95 * limit:
-      _skip(bench, f"train {name} B{b} {impl.name}", f"needs {mem:.1f} GiB of {limit:.1f}")
+      bench.skip(f"train {name} B{b} {impl.name}", f"needs {mem:.1f} GiB of {limit:.1f}")
       continue
     try:
       # One implementation's parameters and moments on the device at a time.
@@ -334,7 +334,7 @@ def decode(bench, name: str) -> None:
       cache_len = context + n
       need = decode_bytes(config, b, cache_len) / 2**30 + 2  # + logits, activations
       if limit and need > 0.9 * limit:
-        _skip(bench, f"decode {name} B{b} ctx{context}",
+        bench.skip(f"decode {name} B{b} ctx{context}",
               f"parameters + KV cache {need:.0f} GiB > 90% of the device's {limit:.0f} GiB")
         continue
       bytes_ = decode_bytes(config, b, context)

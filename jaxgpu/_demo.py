@@ -193,15 +193,13 @@ def demo(seconds: float | None = None) -> int:
     setup = dataclasses.replace(setup, seconds=seconds)
   config = config_for(setup)
   device = jax.devices()[0]
-  n_params = (VOCAB * setup.d_model + setup.n_layers * (
-      setup.d_model * setup.head_dim * (setup.n_heads * 2 + 2 * config.n_kv_heads)
-      + 3 * setup.d_model * setup.ffn_dim))
+  rng = np.random.default_rng(0)
+  params = gemma.init_params(config, jax.random.key(0), jnp.dtype(setup.dtype))
+  n_params = sum(x.size for x in jax.tree.leaves(params))
   print(f"jaxgpu demo: a Gemma 2 model ({setup.n_layers} layers, d_model {setup.d_model}, "
         f"{n_params / 1e6:.1f}M parameters, {setup.dtype}) learns to sort digits")
   print(f"  on {device.platform} ({device.device_kind}); rows of {setup.row_len} tokens "
         f"packing several examples (segment ids), batch {setup.batch}")
-  rng = np.random.default_rng(0)
-  params = gemma.init_params(config, jax.random.key(0), jnp.dtype(setup.dtype))
   optimizer = gemma.AdamW(learning_rate=setup.lr, b2=0.98, weight_decay=0.01, clip_norm=1.0)
   print(f"training for {setup.seconds:.0f} s with jaxgpu's kernels:")
   params, loss = train(params, config, setup, optimizer, None, rng)

@@ -21,17 +21,6 @@ import sys
 import time
 
 
-def _copy_gbs(jax, jnp) -> float:
-  x = jnp.ones((2**28,), jnp.float32)  # 1 GiB
-  f = jax.jit(lambda a: a * 1.0)
-  f(x).block_until_ready()
-  t0 = time.perf_counter()
-  for _ in range(20):
-    y = f(x)
-  y.block_until_ready()
-  return 2 * x.nbytes * 20 / (time.perf_counter() - t0) / 1e9
-
-
 def count_launches(hlo_text: str) -> int:
   """Top-level kernels of the ENTRY computation: fusions, custom calls (jaxgpu's FFI
   kernels, cuBLAS), and other ops XLA runs as their own kernel (copies, scatters, sorts);
@@ -64,10 +53,11 @@ def main() -> int:
   from jaxgpu.models import gemma
   sys.path.insert(0, __file__.rsplit("/", 2)[0] + "/benchmarks")
   import bench_model
+  from benchlib.timing import measure_copy_bandwidth
 
   config = getattr(gemma.Config, args.model)()
   params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
-  gbs = _copy_gbs(jax, jnp)
+  gbs = measure_copy_bandwidth()
   weights = bench_model.param_bytes(config)
   print(f"{args.model} batch {args.batch}: copy {gbs:.0f} GB/s; parameters "
         f"{weights / 1e9:.2f} GB -> floor {weights / gbs / 1e6:.3f} ms")

@@ -82,6 +82,7 @@ class Bench:
     self.dispatch_floor_s: float | None = None
     self.records: list[Record] = []
     self.failures: list[str] = []
+    self.skipped: list[str] = []  # cases left out by design (e.g. they do not fit the device)
 
   @property
   def ceiling_gbs(self) -> float | None:
@@ -150,6 +151,11 @@ class Bench:
     self.records.extend(out)
     return out
 
+  def skip(self, what: str, why: str) -> None:
+    """A case not run, by design (not a failure: the exit status stays 0)."""
+    print(f"  skipped {what}: {why}", flush=True)
+    self.skipped.append(f"{what}: {why}")
+
   def _fail(self, what: str, e: Exception) -> None:
     msg = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     print(f"!! FAILED {msg}", file=sys.stderr, flush=True)
@@ -170,6 +176,10 @@ class Bench:
           mark = "MET " if r.target_met else "MISS"
           print(f"  [{mark}] {r.op:<18} {r.case:<22} {r.pass_:<8} {r.implementation:<5}"
                 f" {fmt(r.gbs, '.0f')} GB/s {fmt(r.vs_anchor, '.2f')}x  target: {r.target}")
+    if self.skipped:
+      print(f"{len(self.skipped)} case(s) skipped:")
+      for s in self.skipped:
+        print("  " + s)
     if self.failures:
       print(f"{len(self.failures)} case(s) failed:")
       for f in self.failures:
@@ -188,6 +198,7 @@ class Bench:
                               if self.dispatch_floor_s is not None else None),
         "timing": dataclasses.asdict(self.config),
         "failures": self.failures,
+        "skipped": self.skipped,
         "records": [r.to_json() for r in self.records],
     })
     return meta

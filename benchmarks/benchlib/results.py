@@ -110,6 +110,8 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
                   f"{'met' if r.target_met else '**missed**'}: {r.target}"]
         row += [r.notes or ""] if has_notes else []
         lines.append("| " + " | ".join(row) + " |")
+      if e.get("skipped"):
+        lines += ["", "Skipped cases:", ""] + [f"- {s}" for s in e["skipped"]]
       if e.get("failures"):
         lines += ["", "Failed cases:", ""] + [f"- {f}" for f in e["failures"]]
       lines.append("")

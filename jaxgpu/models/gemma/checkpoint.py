@@ -54,6 +54,7 @@ import ml_dtypes
 import numpy as np
 
 from jaxgpu.models.gemma.config import Config
+from jaxgpu.models.gemma.params import layer_shapes
 
 __all__ = ["config_from_hf", "hf_config_from", "load_hf_checkpoint", "save_hf_checkpoint"]
 
@@ -409,26 +410,16 @@ def _check_same(given: Config, found: Config) -> None:
 
 
 def _shapes(config: Config) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
-  """our key -> (our shape, HF shape) of one decoder layer's tensors."""
-  d, n, k, h, f = (config.d_model, config.n_heads, config.n_kv_heads, config.head_dim,
-                   config.ffn_dim)
-  out = {
-    "attn_pre_norm": ((d,), (d,)),
-    "attn_post_norm": ((d,), (d,)),
-    "mlp_pre_norm": ((d,), (d,)),
-    "mlp_post_norm": ((d,), (d,)),
-    "q": ((d, n, h), (n * h, d)),
-    "k": ((d, k, h), (k * h, d)),
-    "v": ((d, k, h), (k * h, d)),
-    "o": ((n, h, d), (d, n * h)),
-    "gate": ((d, f), (f, d)),
-    "up": ((d, f), (f, d)),
-    "down": ((f, d), (d, f)),
-  }
-  if config.qk_norm:
-    out["q_norm"] = ((h,), (h,))
-    out["k_norm"] = ((h,), (h,))
-  return out
+  """our key -> (our shape, HF shape) of one decoder layer's tensors. Ours come from
+  params.layer_shapes; an HF Linear weight is (out, in) with the head dims flattened: our
+  matrices are (in..., out...), where only o's input spans two axes (heads, head_dim)."""
+  def hf(key, shape):
+    if len(shape) == 1:
+      return shape
+    split = 2 if key == "o" else 1
+    return (math.prod(shape[split:]), math.prod(shape[:split]))
+
+  return {key: (shape, hf(key, shape)) for key, shape in layer_shapes(config).items()}
 
 
 def _layout(config: Config, prefix: str) -> list[tuple[str, tuple, tuple[int, ...],
