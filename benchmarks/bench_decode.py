@@ -11,8 +11,8 @@ Implementations, timed in the same run, interleaved, on the same K/V data (bf16)
   xla     jaxgpu.paged_attention(implementation='xla'): the pure-JAX reference (gathers the
           row's pages, then a float32 softmax)
 An implementation that cannot run a case (cuDNN refusing a shape, out of memory) is recorded
-as skipped, with the first line of its error, under the family's "skipped" key in the
-results JSON; the other implementations keep their figures.
+as skipped (Bench.skip), with the first line of its error; the other implementations keep
+their figures.
 
 One copy of the cache serves all three. The contiguous cache (B, L, K, H) is also the page
 pool (B * L / S, S, K, H) (a reshape inside jit: a bitcast), and each row's block table names
@@ -200,13 +200,7 @@ def make_fn(impl: str, case: Case):
   return jax.jit(looped)
 
 
-def _skip(skipped: list, case: Case, impl: str, why: str) -> None:
-  msg = f"{case.op} {case.label()} {impl}: {why}"
-  print(f"   skipped {msg}", flush=True)
-  skipped.append(msg)
-
-
-def _runnable(fns: dict, args: tuple, case: Case, skipped: list) -> dict:
+def _runnable(bench: harness.Bench, fns: dict, args: tuple, case: Case) -> dict:
   """The implementations whose first call succeeds; the others are skipped with the first
   line of their error (cuDNN refusing a shape, out of memory, not built)."""
   import jax
@@ -220,8 +214,8 @@ def _runnable(fns: dict, args: tuple, case: Case, skipped: list) -> dict:
       text = str(e).strip()
       first = text.splitlines()[0] if text else ""
       oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-      _skip(skipped, case, impl, ("out of memory: " if oom else f"{type(e).__name__}: ")
-            + first[:160])
+      bench.skip(f"{case.op} {case.label()} {impl}",
+                 ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
   return ok
 
 
@@ -283,19 +277,20 @@ def run(bench: harness.Bench) -> None:
     bench.config.repeats = 5  # 56 cases x 3 implementations within about 5 GPU minutes
   dtype = jnp.dtype(DTYPE)
   itemsize = np.dtype(dtype).itemsize
-  skipped: list[str] = []
   key = jax.random.PRNGKey(0)
   for case in QUICK_CASES if bench.quick else CASES:
     if case.cache_bytes(itemsize) > MAX_CACHE_BYTES:
-      _skip(skipped, case, "all", f"K/V cache of {case.cache_bytes(itemsize) / 1e9:.1f} GB "
-            f"exceeds {MAX_CACHE_BYTES / 1e9:.0f} GB")
+      gb = case.cache_bytes(itemsize) / 1e9
+      bench.skip(f"{case.op} {case.label()} all",
+                 f"K/V cache of {gb:.1f} GB exceeds {MAX_CACHE_BYTES / 1e9:.0f} GB")
       continue
     key, sub = jax.random.split(key)
     one = functools.partial(make_inputs, case=case, dtype=dtype)
     set_bytes = case.bytes_moved(itemsize)
     arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                      max_copies=2 if bench.quick else None)
-    fns = _runnable({impl: make_fn(impl, case) for impl in impls}, arg_sets[0], case, skipped)
+    fns = _runnable(bench, {impl: make_fn(impl, case) for impl in impls}, arg_sets[0],
+                    case)
     if not fns:
       del arg_sets
       continue
@@ -320,7 +315,6 @@ def run(bench: harness.Bench) -> None:
             + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]" if r.target else ""),
             flush=True)
     del arg_sets, fns
-  bench.meta["skipped"] = skipped
 
 
 if __name__ == "__main__":
