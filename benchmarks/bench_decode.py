@@ -45,6 +45,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import os
+import re
 import sys
 
 # The largest cases need most of the GPU's memory: JAX preallocates 75% unless told otherwise.
@@ -278,7 +279,10 @@ def run(bench: harness.Bench) -> None:
   dtype = jnp.dtype(DTYPE)
   itemsize = np.dtype(dtype).itemsize
   key = jax.random.PRNGKey(0)
+  pattern = re.compile(bench.args.cases) if bench.args.cases else None
   for case in QUICK_CASES if bench.quick else CASES:
+    if pattern and not pattern.search(f"{case.op} {case.label()}"):
+      continue
     if case.cache_bytes(itemsize) > MAX_CACHE_BYTES:
       gb = case.cache_bytes(itemsize) / 1e9
       bench.skip(f"{case.op} {case.label()} all",
@@ -317,5 +321,10 @@ def run(bench: harness.Bench) -> None:
     del arg_sets, fns
 
 
+def _extend(p) -> None:
+  p.add_argument("--cases", default=None,
+                 help="regex over '<op> <label>' (e.g. 'paged_attn 32/8h128b8'): run only those")
+
+
 if __name__ == "__main__":
-  sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0]))
+  sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0], extend_parser=_extend))
