@@ -159,6 +159,7 @@ inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer 
   p->num_splits = num_splits;
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(workspace, ffi::DataType::F32, PagedAttentionWorkspaceSize(*p), "workspace"));
+  p->kv_dtype = p->dtype;
   p->query = query.untyped_data();
   p->k_pages = k_pages.untyped_data();
   p->v_pages = v_pages.untyped_data();
@@ -216,6 +217,7 @@ inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer
       CheckDims(*v_out, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "v_pages (result)"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
+  p->kv_dtype = p->dtype;
   p->k_pages_in = k_pages.untyped_data();
   p->v_pages_in = v_pages.untyped_data();
   p->k_pages = k_out->untyped_data();

@@ -31,8 +31,16 @@
 
 namespace jaxgpu {
 
+// 8-bit cache. The pages may hold int8 or float8_e4m3fn values (kv_dtype) with float32
+// scales k_scale, v_scale (Gp, P, S, K): one per token and kv head, so that the value of
+// k_pages[g, p, s, k, h] is float(k_pages[g, p, s, k, h]) * k_scale[g, p, s, k]. A 16-bit
+// or float32 cache has kv_dtype == dtype and null scales. The update quantizes each new
+// token's K (and V) row of one kv head with scale = max|row| / Qmax (Qmax 127 for int8,
+// 448 for e4m3; scale 0 for an all-zero row): int8 rounds half to even and clamps to
+// [-127, 127], e4m3 rounds to nearest even and saturates at 448.
 struct PagedAttentionParams {
-  DType dtype;  // of query, pages and out
+  DType dtype;     // of query and out
+  DType kv_dtype;  // of the pages: dtype, or kS8 / kF8E4M3 with scales
   int64_t groups;
   int64_t page_groups;  // 1 or groups
   int64_t batch;
@@ -46,6 +54,8 @@ struct PagedAttentionParams {
   const void* query;
   const void* k_pages;
   const void* v_pages;
+  const float* k_scale;  // (Gp, P, S, K) when kv_dtype is 8-bit, else null
+  const float* v_scale;
   const int32_t* block_table;
   const int32_t* lengths;
   void* out;
@@ -74,7 +84,8 @@ inline int64_t PagedAttentionWorkspaceSize(const PagedAttentionParams& p) {
 }
 
 struct PagedKvUpdateParams {
-  DType dtype;  // of pages and new tokens
+  DType dtype;     // of the new tokens
+  DType kv_dtype;  // of the pages: dtype, or kS8 / kF8E4M3 (then the scales are set)
   int64_t groups;
   int64_t num_pages;
   int64_t page_size;
@@ -91,11 +102,18 @@ struct PagedKvUpdateParams {
   const void* v_new;
   const int32_t* block_table;
   const int32_t* positions;
+  // 8-bit cache: the scales (G, P, S, K) before the write and the outputs (aliased, as the
+  // pages are); null otherwise.
+  const float* k_scale_in;
+  const float* v_scale_in;
+  float* k_scale;
+  float* v_scale;
 };
 
 // Bytes of one page pool (both caches have this size).
 inline int64_t PagedKvPoolBytes(const PagedKvUpdateParams& p) {
-  return DTypeBytes(p.dtype, p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
+  return DTypeBytes(p.kv_dtype,
+                    p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
 }
 
 }  // namespace jaxgpu
