@@ -1,28 +1,26 @@
-// Decode attention over a paged KV cache (split-KV, "flash decoding"), its combine, and
-// the in-place cache update.
+// Decode attention over a paged KV cache (split-KV, "flash decoding"): the launcher, the
+// CUDA-core split kernel for a float32 query, and the combine of the splits. A 16-bit
+// query runs the tensor-core split kernel (decode_tc_kernels.cu); both share the merge
+// and the workspace layout (decode_split.cuh).
 //
 // Napkin math (H100, bf16, GQA 32/8, H = 128, Tq = 1): a token's K and V for the 8 kv heads
 // are 2 x 8 x 128 x 2 B = 4 KiB. B = 8 rows of L = 32k tokens is 1 GiB of cache that must be
 // read once: ~358 us at the ~3.0 TB/s a device copy reaches (cuDNN on a contiguous cache:
 // 377 us). Queries, the output and the split workspace are KBs to a few MB. B = 1, L = 4k:
 // 16 MiB, ~5.6 us of reading, so the launch, the split count and the combine dominate.
-// Compute per cache element: 2 x Tq x N/K FMAs (logit and P.V) plus the online softmax's
-// rescale once per kUnroll keys; at Tq x N/K = 4 that is ~10 float ops per 2-byte element,
-// ~15 TFLOP/s at 3 TB/s, under the ~60 TFLOP/s of the CUDA cores; at Tq x N/K = 32 (Tq =
-// 8) the CUDA cores would be the limit, which is why the rows are tiled (kRowTile) and a
-// tensor-core main loop is the next step for speculative decoding.
 //
-// Mapping. A block of the split kernel owns one (group, row, kv head), one split of the
-// row's keys, and kRowTile query rows of that kv head (the Tq new tokens times the N/K
-// query heads: with Tq x N/K <= kRowTile, every K/V byte is read once per kv head). A key's
-// H values are spread over kLanes lanes (8 values, 16 bytes of bf16, per lane), so a warp
-// holds 32 / kLanes independent key streams, each with its own online softmax (running
-// max, sum and output in float32); the streams are merged through shared memory at the
-// end. Each lane loads kUnroll keys' K and V vectors (16-byte loads, read through the
-// block table) before using any, so that enough bytes are in flight to cover the memory
-// latency. Logits are in the log2 domain: the scale times log2(e) is folded into the
-// query (softcap: the tanh input scale, with cap x log2(e) applied after), and exp2 is one
-// MUFU op.
+// CUDA-core kernel (float32 queries: no float32 tensor-core product is exact enough). A
+// block owns one (group, row, kv head), one split of the row's keys, and kRowTile query
+// rows of that kv head (the Tq new tokens times the N/K query heads: with Tq x N/K <=
+// kRowTile, every K/V byte is read once per kv head). A key's H values are spread over
+// kLanes lanes (8 values per lane), so a warp holds 32 / kLanes independent key streams,
+// each with its own online softmax (running max, sum and output in float32); the streams
+// are merged through shared memory at the end. Each lane loads kUnroll keys' K and V
+// vectors (read through the block table) before using any, so that enough bytes are in
+// flight to cover the memory latency. Logits are in the log2 domain: the scale times
+// log2(e) is folded into the query (softcap: the tanh input scale, with cap x log2(e)
+// applied after), and exp2 is one MUFU op. An 8-bit cache's per-token scales multiply the
+// key's logit and its probability.
 //
 // Splits. The host picks num_splits (jaxgpu/ops/decode.py: enough blocks for ~2 waves of an
 // H100 when batch x kv heads alone cannot fill it); each split takes an equal, contiguous
@@ -34,40 +32,27 @@
 // Out of range. A row's key range is [max(0, len - Tq - window), len) for 0 <= len <=
 // M x S and empty otherwise (so the table is only read at columns < M); a key whose table
 // entry is outside [0, P) is masked and its page never loaded.
-//
-// Registers. 128 threads at up to 255 registers (2 blocks an SM): q and o (kRowTile x 8
-// floats each), the raw K/V of kUnroll keys and the running max and sum fill them. Spills
-// (ptxas -v, sm_90a, nvcc 13.0; spill stores/loads in bytes per thread), before -> after
-// positions and keys in int32 (they were int64: two registers each, 64-bit divisions per
-// key) and the logits computed row by row (only kUnroll of them live, not kUnroll x
-// kRowTile), by kLanes = 32, 16, 8, 4, 2, 1:
-//   bf16 plain    68/164->8/72  84/180->4/4  84/180->4/4  84/180->4/4  84/180->4/4  60/156->0/0
-//   bf16 softcap  116/212->16/112  124/220->16/84  124/220->16/84  124/220->16/84  116/212->12/76
-//                 28/60->4/8
-//   half plain    0/0 before and after, every kLanes
-//   half softcap  28/124->0/0  20/116->0/0  28/124->0/0  28/124->0/0  28/124->0/0  0/0->0/0
-//   f32  plain    68/164->8/40  84/180->4/4  84/180->4/4  84/180->4/4  84/180->0/0  60/156->0/0
-//   f32  softcap  124/220->16/112  152/244->16/84  144/236->16/84  144/236->16/84  132/228->12/80
-//                 36/68->8/44
-// The order of every row's arithmetic is unchanged. Not yet measured on a GPU.
 #include "decode/decode_cuda.h"
+
+#include <cuda_fp8.h>
 
 #include <cstdint>
 
 #include "common/cuda_dispatch.cuh"
 #include "common/cuda_utils.cuh"
+#include "decode/decode_split.cuh"
 
 namespace jaxgpu::cuda {
 namespace {
 
-constexpr float kLog2e = 1.4426950408889634f;
+using decode::kLog2e;
+using decode::kMaxCombineSplits;
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
 constexpr int kRowTile = 8;  // query rows of one kv head per block
 constexpr int kUnroll = 4;   // keys per stream whose K and V loads are in flight at once
 constexpr int kPerLane = 8;  // head-dim values per lane: 16 bytes of a 16-bit type
 constexpr int kCombineThreads = 128;
-constexpr int kMaxCombineSplits = 1024;  // the handler's bound on num_splits
 
 // 8 consecutive values at `src` (16-byte aligned) as float.
 template <typename T>
@@ -81,41 +66,18 @@ __device__ __forceinline__ void Load8<float>(const float* src, float (&out)[kPer
   out[4] = b.x, out[5] = b.y, out[6] = b.z, out[7] = b.w;
 }
 
-template <>
-__device__ __forceinline__ void Load8<__nv_bfloat16>(const __nv_bfloat16* src,
-                                                     float (&out)[kPerLane]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const __nv_bfloat162* pairs = reinterpret_cast<const __nv_bfloat162*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-
-template <>
-__device__ __forceinline__ void Load8<__half>(const __half* src, float (&out)[kPerLane]) {
-  const uint4 raw = *reinterpret_cast<const uint4*>(src);
-  const __half2* pairs = reinterpret_cast<const __half2*>(&raw);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(pairs[i]);
-    out[2 * i] = f.x, out[2 * i + 1] = f.y;
-  }
-}
-
-// The raw 16-bit (or float) storage of 8 values, loaded now and converted later: the loads
-// of kUnroll keys are all issued before the first conversion.
-template <typename T>
+// The raw storage of 8 cached values (float32, or 8-bit with a scale), loaded now and
+// converted later: the loads of kUnroll keys are all issued before the first conversion.
+template <typename KV>
 struct Raw8 {
-  T v[kPerLane];
+  KV v[kPerLane];
 };
 
-template <typename T>
-__device__ __forceinline__ Raw8<T> LoadRaw(const T* src) {
-  Raw8<T> r;
-  if constexpr (sizeof(T) == 2) {
-    *reinterpret_cast<uint4*>(r.v) = *reinterpret_cast<const uint4*>(src);
+template <typename KV>
+__device__ __forceinline__ Raw8<KV> LoadRaw(const KV* src) {
+  Raw8<KV> r;
+  if constexpr (sizeof(KV) == 1) {
+    *reinterpret_cast<uint2*>(r.v) = *reinterpret_cast<const uint2*>(src);
   } else {
     reinterpret_cast<float4*>(r.v)[0] = reinterpret_cast<const float4*>(src)[0];
     reinterpret_cast<float4*>(r.v)[1] = reinterpret_cast<const float4*>(src)[1];
@@ -123,13 +85,21 @@ __device__ __forceinline__ Raw8<T> LoadRaw(const T* src) {
   return r;
 }
 
-template <typename T>
-__device__ __forceinline__ Raw8<T> ZeroRaw() {
-  Raw8<T> r;
-#pragma unroll
-  for (int e = 0; e < kPerLane; ++e) r.v[e] = FromFloat<T>(0.f);
+template <typename KV>
+__device__ __forceinline__ Raw8<KV> ZeroRaw() {
+  Raw8<KV> r;
+  if constexpr (sizeof(KV) == 1) {
+    *reinterpret_cast<uint2*>(r.v) = make_uint2(0u, 0u);
+  } else {
+    reinterpret_cast<float4*>(r.v)[0] = make_float4(0.f, 0.f, 0.f, 0.f);
+    reinterpret_cast<float4*>(r.v)[1] = make_float4(0.f, 0.f, 0.f, 0.f);
+  }
   return r;
 }
+
+__device__ __forceinline__ float KvFloat(float x) { return x; }
+__device__ __forceinline__ float KvFloat(int8_t x) { return float(x); }
+__device__ __forceinline__ float KvFloat(__nv_fp8_e4m3 x) { return float(x); }
 
 // The key range [begin, end) of row `len` that split `split` reads. Both fit int32: a range
 // is empty unless 0 <= len <= M x S, and then end <= len, an int32.
@@ -152,9 +122,10 @@ __device__ __forceinline__ KeyRange SplitRange(const PagedAttentionParams& p, in
   return {int32_t(begin), int32_t(end)};
 }
 
-template <typename T, int kLanes, bool kSoftcap>
+template <typename KV, int kLanes, bool kSoftcap>
 __global__ void __launch_bounds__(kThreads)
     PagedAttentionSplitKernel(const PagedAttentionParams p, int64_t rows_per_kv) {
+  using T = float;                      // the query and output
   constexpr int kGroups = 32 / kLanes;  // key streams per warp
   constexpr int kStreams = kWarps * kGroups;
   constexpr int kWidth = kLanes * kPerLane;  // head-dim values a stream covers (>= H)
@@ -220,8 +191,11 @@ __global__ void __launch_bounds__(kThreads)
   const int64_t page_stride = int64_t(S) * K * H;
   const int32_t token_stride = int32_t(K * H);
   const int64_t column = page_group * p.num_pages * page_stride + kvh * H + h0;
-  const T* k_pool = static_cast<const T*>(p.k_pages) + column;
-  const T* v_pool = static_cast<const T*>(p.v_pages) + column;
+  const KV* k_pool = static_cast<const KV*>(p.k_pages) + column;
+  const KV* v_pool = static_cast<const KV*>(p.v_pages) + column;
+  constexpr bool kScaled = sizeof(KV) == 1;
+  // 8-bit cache: scale index = (pool token) x K + kv head, the token's = page x S + slot.
+  const int64_t scale_base = page_group * p.num_pages * S * K + kvh;
   const int32_t* table = p.block_table + r * p.max_pages;
   const int32_t num_pages = p.num_pages > INT32_MAX ? INT32_MAX : int32_t(p.num_pages);
 
@@ -231,7 +205,8 @@ __global__ void __launch_bounds__(kThreads)
   const uint32_t count = uint32_t(range.end - range.begin);
   for (uint32_t base = uint32_t(warp) * kGroups * kUnroll; base < count;
        base += uint32_t(kStreams) * kUnroll) {
-    Raw8<T> kr[kUnroll], vr[kUnroll];
+    Raw8<KV> kr[kUnroll], vr[kUnroll];
+    float ks[kUnroll], vs[kUnroll];  // 8-bit cache: the key's scales
     bool ok[kUnroll];
     int32_t key[kUnroll];  // meaningful where ok: then < range.end, an int32
     // kUnroll <= 8 <= S consecutive keys cross at most one page boundary: one division for
@@ -248,13 +223,19 @@ __global__ void __launch_bounds__(kThreads)
       const int32_t col = col0 + (next ? 1 : 0);
       const int32_t slot = slot0 + u - (next ? S : 0);
       int64_t at = 0;
+      int32_t page = 0;
       if (ok[u]) {
-        const int32_t page = table[col];
+        page = table[col];
         ok[u] = page >= 0 && page < num_pages;
         at = int64_t(page) * page_stride + slot * token_stride;
       }
-      kr[u] = ok[u] && h_ok ? LoadRaw(k_pool + at) : ZeroRaw<T>();
-      vr[u] = ok[u] && h_ok ? LoadRaw(v_pool + at) : ZeroRaw<T>();
+      kr[u] = ok[u] && h_ok ? LoadRaw(k_pool + at) : ZeroRaw<KV>();
+      vr[u] = ok[u] && h_ok ? LoadRaw(v_pool + at) : ZeroRaw<KV>();
+      if constexpr (kScaled) {
+        const int64_t si = scale_base + (int64_t(page) * S + slot) * K;
+        ks[u] = ok[u] ? p.k_scale[si] : 0.f;
+        vs[u] = ok[u] ? p.v_scale[si] : 0.f;
+      }
     }
     // Row by row: only this row's kUnroll logits are live (a [kUnroll][kRowTile] array of
     // them, with q, o and the raw K/V, was what spilled). The arithmetic, and its order per
@@ -266,11 +247,12 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         float dot = 0.f;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) dot = fmaf(q[i][e], ToFloat(kr[u].v[e]), dot);
+        for (int e = 0; e < kPerLane; ++e) dot = fmaf(q[i][e], KvFloat(kr[u].v[e]), dot);
 #pragma unroll
         for (int mask = kLanes / 2; mask >= 1; mask /= 2) {
           dot += __shfl_xor_sync(0xffffffffu, dot, mask);
         }
+        if constexpr (kScaled) dot *= ks[u];
         const float logit = kSoftcap ? fold * tanhf(dot) : dot;
         // pos - key cannot overflow: a valid key is in [0, len) and pos >= len - 16.
         const int32_t behind = pos[i] - key[u];
@@ -290,8 +272,9 @@ __global__ void __launch_bounds__(kThreads)
       for (int u = 0; u < kUnroll; ++u) {
         const float w = exp2f(s[u] - top);  // 0 for a masked key
         l[i] += w;
+        const float wv = kScaled ? w * vs[u] : w;
 #pragma unroll
-        for (int e = 0; e < kPerLane; ++e) o[i][e] = fmaf(w, ToFloat(vr[u].v[e]), o[i][e]);
+        for (int e = 0; e < kPerLane; ++e) o[i][e] = fmaf(wv, KvFloat(vr[u].v[e]), o[i][e]);
       }
       m[i] = top;
     }
@@ -309,36 +292,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  T* out = static_cast<T*>(p.out);
-  const int64_t n_partials = int64_t(gridDim.x) * p.num_splits;
-  for (int idx = threadIdx.x; idx < kRowTile * H; idx += kThreads) {
-    const int i = idx / H;
-    const int h = idx % H;
-    const int64_t rr = int64_t(tile) * kRowTile + i;
-    if (rr >= rows_per_kv) continue;
-    float top = -INFINITY;
-    for (int st = 0; st < kStreams; ++st) top = fmaxf(top, s_m[st][i]);
-    float sum = 0.f, acc = 0.f;
-    if (top != -INFINITY) {
-      for (int st = 0; st < kStreams; ++st) {
-        const float w = exp2f(s_m[st][i] - top);
-        sum = fmaf(w, s_l[st][i], sum);
-        acc = fmaf(w, s_o[st][i][h], acc);
-      }
-    }
-    const float value = sum > 0.f ? acc / sum : 0.f;
-    if (p.num_splits == 1) {
-      const int64_t t = rr / rep, n = kvh * rep + rr % rep;
-      out[((r * p.q_len + t) * N + n) * H + h] = FromFloat<T>(value);
-    } else {
-      const int64_t part = rk * p.num_splits + split;
-      p.workspace[(part * rows_per_kv + rr) * H + h] = value;
-      if (h == 0) {
-        float* lse = p.workspace + n_partials * rows_per_kv * H;
-        lse[part * rows_per_kv + rr] = sum > 0.f ? top + __log2f(sum) : -INFINITY;
-      }
-    }
-  }
+  decode::WriteMergedRows<T>(p, rk, split, rows_per_kv, int64_t(tile) * kRowTile, kRowTile,
+                             kStreams, &s_m[0][0], &s_l[0][0], &s_o[0][0][0], kWidth,
+                             int64_t(gridDim.x) * p.num_splits);
 }
 
 // One block per (group, row, kv head, query row of the kv head): the splits' partial
@@ -383,30 +339,49 @@ __global__ void __launch_bounds__(kCombineThreads)
 
 }  // namespace
 
+namespace {
+
+// The CUDA-core split kernel: a float32 query over a float32 or 8-bit cache.
+cudaError_t LaunchCudaCoreSplit(const PagedAttentionParams& p, int64_t rows_per_kv,
+                                cudaStream_t stream) {
+  if (p.dtype != DType::kF32) return cudaErrorInvalidValue;
+  const int64_t tiles = CeilDiv(rows_per_kv, kRowTile);
+  if (tiles > 65535) return cudaErrorInvalidConfiguration;
+  const dim3 grid(unsigned(p.groups * p.batch * p.kv_heads), unsigned(p.num_splits),
+                  unsigned(tiles));
+  const int lanes = NextPow2(CeilDiv(p.head_dim, kPerLane));
+  constexpr DTypeSet kCaches =
+      DTypeBit(DType::kF32) | DTypeBit(DType::kS8) | DTypeBit(DType::kF8E4M3);
+  return JAXGPU_DTYPE_SWITCH(p.kv_dtype, KV, kCaches, [&] {
+    return JAXGPU_INT_SWITCH(lanes, kLanes, (1, 2, 4, 8, 16, 32), [&] {
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+        PagedAttentionSplitKernel<KV, kLanes, kSoftcap>
+            <<<grid, kThreads, 0, stream>>>(p, rows_per_kv);
+        return cudaGetLastError();
+      });
+    });
+  });
+}
+
+}  // namespace
+
 cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream) {
   const int64_t blocks = p.groups * p.batch * p.kv_heads;
   if (blocks == 0 || p.heads == 0) return cudaSuccess;
   const int64_t rows_per_kv = PagedAttentionRowsPerKvHead(p);
-  const int64_t tiles = CeilDiv(rows_per_kv, kRowTile);
-  // The split kernel indexes within a page and a token in int32 (decode_kernels.cu's top).
-  if (blocks > INT32_MAX || tiles > 65535 || p.num_splits > kMaxCombineSplits ||
-      blocks * rows_per_kv > INT32_MAX || p.page_size * p.kv_heads * p.head_dim > INT32_MAX) {
+  // The split kernels index within a page and a token in int32 (decode_kernels.cu's top).
+  if (blocks > INT32_MAX || p.num_splits > kMaxCombineSplits || blocks * rows_per_kv > INT32_MAX ||
+      p.page_size * p.kv_heads * p.head_dim > INT32_MAX) {
     return cudaErrorInvalidConfiguration;
   }
-  const dim3 grid(unsigned(blocks), unsigned(p.num_splits), unsigned(tiles));
-  const int lanes = NextPow2(CeilDiv(p.head_dim, kPerLane));
+  const cudaError_t err = decode::TensorCoreKernelTakes(p)
+                              ? decode::LaunchTensorCoreSplit(p, rows_per_kv, stream)
+                              : LaunchCudaCoreSplit(p, rows_per_kv, stream);
+  if (err != cudaSuccess || p.num_splits == 1) return err;
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
-    return JAXGPU_INT_SWITCH(lanes, kLanes, (1, 2, 4, 8, 16, 32), [&] {
-      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-        PagedAttentionSplitKernel<T, kLanes, kSoftcap>
-            <<<grid, kThreads, 0, stream>>>(p, rows_per_kv);
-        cudaError_t err = cudaGetLastError();
-        if (err != cudaSuccess || p.num_splits == 1) return err;
-        PagedAttentionCombineKernel<T>
-            <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(p, rows_per_kv);
-        return cudaGetLastError();
-      });
-    });
+    PagedAttentionCombineKernel<T>
+        <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(p, rows_per_kv);
+    return cudaGetLastError();
   });
 }
 

@@ -112,8 +112,7 @@ struct PagedKvUpdateParams {
 
 // Bytes of one page pool (both caches have this size).
 inline int64_t PagedKvPoolBytes(const PagedKvUpdateParams& p) {
-  return DTypeBytes(p.kv_dtype,
-                    p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
+  return DTypeBytes(p.kv_dtype, p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
 }
 
 }  // namespace jaxgpu

@@ -1,0 +1,465 @@
+// The tensor-core split kernel of paged attention: a 16-bit query (bf16 or f16) over a
+// 16-bit cache of the same type or an 8-bit one (int8 or e4m3 with per-token scales).
+//
+// Why tensor cores. Decode reads each cached byte once, so the kernel must stream K/V at
+// the copy rate (~3 TB/s on an H100) while doing 2 x (Tq x N/K) multiply-adds per cached
+// value for the logits and as many for P V. The CUDA-core kernel (decode_kernels.cu)
+// reduced each logit across lanes with shuffles; measured on the H100 (bf16, GQA 32/8,
+// H 128, B 8, L 32k) it read 0.62 TB/s at Tq = 1 and 0.20 TB/s at Tq = 8: issue-bound. Here
+// a warp computes a 16-row x 16-key logit tile with H/16 mma.sync m16n8k16 pairs and its
+// P V with H/8 more, so the math per byte is a few instructions at any Tq x N/K <= 32.
+//
+// Mapping. A block (4 warps) owns one (group, row, kv head), one split of the row's keys,
+// and 16 x kMT query rows of that kv head (the Tq new tokens times the N/K query heads,
+// zero-padded to 16 per m-tile). The keys stream through a kStages ring of shared-memory
+// tiles of kKeys = 64 keys (cp.async, 16-byte chunks read through the block table: one
+// table lookup per key), and warp w takes keys [16w, 16w + 16) of each tile with its own
+// online softmax (FlashAttention-2's, in registers: A/C fragment layouts as the attention
+// kernels'); the 4 warps' states are merged through shared memory at the end. Tiles start
+// at multiples of 64 keys, so a split's range is whole tiles (the first masked below the
+// window, the last at the row's length).
+//
+// 8-bit cache. The raw tile (half the bytes) lands in the ring; before the products, the
+// block converts it to the 16-bit type in one more shared tile (int8 and e4m3 values are
+// exact in bf16 and f16). The per-token scales never touch the values: a key's K scale
+// multiplies its logit, and its V scale its probability before P V (the softmax sums use
+// the unscaled probability), one multiply per key and row instead of one per value.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include <cstdint>
+
+#include "attention/attention_copy.cuh"
+#include "attention/attention_fragments.cuh"
+#include "attention/sm80/mma.cuh"
+#include "common/cuda_dispatch.cuh"
+#include "common/cuda_utils.cuh"
+#include "decode/decode_split.cuh"
+
+namespace jaxgpu::cuda::decode {
+namespace {
+
+namespace att = ::jaxgpu::cuda::attention;
+namespace sm80 = ::jaxgpu::cuda::attention::sm80;
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kKeys = 64;        // keys per tile: 16 per warp
+constexpr int kStages = 3;       // tiles in flight: 2 x 35 KB per block at H 128
+constexpr int kChunkValues = 8;  // values per copied chunk (16 bytes of 16-bit, 8 of 8-bit)
+
+template <typename KV>
+constexpr bool kIs8Bit = sizeof(KV) == 1;
+
+// Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
+//   q       (16 kMT, kHD + 8) T          the query rows, padded rows (sm80::SmemTile)
+//   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
+//   tile16  {K, V} (kKeys, kHD + 8) T    8-bit caches only: the converted current tile
+//   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
+//   scale   kStages x {K, V} x kKeys f32 8-bit caches only
+// After the loop the ring holds the warps' states for the merge.
+template <typename T, typename KV, int kHD, int kMT>
+struct Layout {
+  static constexpr int kRows = 16 * kMT;
+  static constexpr int kStride = sm80::SmemTile<kHD>::kStride;
+  static constexpr int kTile16 = kKeys * kStride * 2;                   // bytes
+  static constexpr int kRawTile = kIs8Bit<KV> ? kKeys * kHD : kTile16;  // bytes
+  static constexpr int kQ = 0;
+  static constexpr int kRing = kQ + kRows * kStride * 2;
+  static constexpr int kStageBytes = 2 * kRawTile;
+  static constexpr int kConverted = kRing + kStages * kStageBytes;
+  static constexpr int kOk = kConverted + (kIs8Bit<KV> ? 2 * kTile16 : 0);
+  static constexpr int kScale = kOk + kStages * kKeys * 4;
+  static constexpr int kBytes = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
+  // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, over the ring
+  // (and the converted tiles).
+  static constexpr int kMergeBytes = kWarps * kRows * (kHD + 2) * 4;
+  static_assert(kMergeBytes <= kOk - kRing, "the merge fits in the tiles");
+};
+
+// 8 values of an 8-bit cache (8 bytes) as 8 values of T, exactly.
+template <typename T, typename KV>
+__device__ __forceinline__ uint4 Widen8(uint2 raw) {
+  uint4 out;
+  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    float lo, hi;
+    if constexpr (std::is_same_v<KV, int8_t>) {
+      lo = float(int8_t(bytes[2 * i]));
+      hi = float(int8_t(bytes[2 * i + 1]));
+    } else {
+      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
+          __nv_fp8x2_storage_t(bytes[2 * i] | (uint16_t(bytes[2 * i + 1]) << 8)), __NV_E4M3);
+      const float2 f = __half22float2(__half2(h));
+      lo = f.x;
+      hi = f.y;
+    }
+    words[i] = att::PackPair<T>(lo, hi);
+  }
+  return out;
+}
+
+template <typename T, typename KV, int kHD, int kMT>
+__global__ void __launch_bounds__(kThreads, 2)
+    PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles) {
+  using L = Layout<T, KV, kHD, kMT>;
+  constexpr int kRows = L::kRows;
+  constexpr int kStride = L::kStride;
+  constexpr int kChunks = kHD / kChunkValues;  // chunks per key row
+  constexpr int kChunkBytes = kChunkValues * sizeof(KV);
+  extern __shared__ __align__(16) unsigned char smem[];
+  T* s_q = reinterpret_cast<T*>(smem + L::kQ);
+  int32_t* s_ok = reinterpret_cast<int32_t*>(smem + L::kOk);
+  float* s_scale = reinterpret_cast<float*>(smem + L::kScale);
+
+  const int64_t bid = blockIdx.x;
+  const int tile = int(bid % row_tiles);
+  const int64_t rest = bid / row_tiles;
+  const int split = int(rest % p.num_splits);
+  const int64_t rk = rest / p.num_splits;  // (group x B + row) x K + kv head
+  const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
+  const int64_t g_index = r / p.batch;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t H = p.head_dim, K = p.kv_heads, N = p.heads, rep = N / K;
+  const int32_t S = int32_t(p.page_size);
+  const int64_t row0 = int64_t(tile) * kRows;
+
+  // The split's keys: whole 64-key tiles from the window's start rounded down (a range is
+  // empty unless 0 <= len <= M x S; then every key < len is an int32).
+  const int64_t len = p.lengths[r];
+  const int64_t cap = p.max_pages * p.page_size;
+  const int64_t hi = (len >= 0 && len <= cap) ? len : 0;
+  int64_t lo = p.window_left >= 0 ? len - p.q_len - p.window_left : 0;
+  lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
+  const int64_t first = lo / kKeys * kKeys;
+  const int64_t per_split = CeilDiv(CeilDiv(hi - first, kKeys), p.num_splits) * kKeys;
+  const int64_t begin64 = first + split * per_split;
+  const int32_t begin = int32_t(begin64 > hi ? hi : begin64);
+  const int32_t end = int32_t(begin + per_split > hi ? hi : begin + per_split);
+  const int num_tiles = int(CeilDiv(end - begin, kKeys));
+
+  // This block's kv head column of page 0, slot 0; a key adds page x page_stride + slot x
+  // token_stride values.
+  const int64_t page_stride = int64_t(S) * K * H;
+  const int64_t token_stride = K * H;
+  const int64_t pool_base = (p.page_groups == 1 ? 0 : g_index) * p.num_pages;
+  const KV* k_pool = static_cast<const KV*>(p.k_pages) + pool_base * page_stride + kvh * H;
+  const KV* v_pool = static_cast<const KV*>(p.v_pages) + pool_base * page_stride + kvh * H;
+  const int32_t* table = p.block_table + r * p.max_pages;
+
+  auto ring_k = [&](int stage) { return smem + L::kRing + stage * L::kStageBytes; };
+  auto ring_v = [&](int stage) { return smem + L::kRing + stage * L::kStageBytes + L::kRawTile; };
+
+  // Issues the copies of tile `it` (keys begin + 64 it ..) into its ring stage: K and V
+  // chunks, each key's in-split-and-valid flag and (8-bit) its scales. Keys out of the
+  // split or on an invalid page are zero-filled, their pages never read.
+  auto load_tile = [&](int it) {
+    const int stage = it % kStages;
+    unsigned char* k_dst = ring_k(stage);
+    unsigned char* v_dst = ring_v(stage);
+#pragma unroll
+    for (int pass = 0; pass < kKeys * kChunks / kThreads; ++pass) {
+      const int i = pass * kThreads + threadIdx.x;
+      const int key = i / kChunks;
+      const int chunk = i - key * kChunks;
+      const int32_t pos = begin + it * kKeys + key;
+      int32_t page = -1, slot = 0;
+      if (pos < end) {
+        const int32_t col = pos / S;
+        slot = pos - col * S;
+        page = table[col];
+      }
+      const bool ok = page >= 0 && page < p.num_pages;
+      const int64_t at = ok ? int64_t(page) * page_stride + int64_t(slot) * token_stride : 0;
+      const bool copy = ok && chunk * kChunkValues < H;
+      const int64_t src = at + (copy ? chunk * kChunkValues : 0);
+      const int dst = kIs8Bit<KV> ? key * kHD * int(sizeof(KV)) + chunk * kChunkBytes
+                                  : (key * kStride + chunk * kChunkValues) * 2;
+      const uint32_t kd = att::SmemAddress(k_dst + dst), vd = att::SmemAddress(v_dst + dst);
+      const int bytes = copy ? kChunkBytes : 0;
+      if constexpr (kChunkBytes == 16) {
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(k_pool + src),
+                     "r"(bytes)
+                     : "memory");
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(v_pool + src),
+                     "r"(bytes)
+                     : "memory");
+      } else {
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(kd), "l"(k_pool + src),
+                     "r"(bytes)
+                     : "memory");
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(vd), "l"(v_pool + src),
+                     "r"(bytes)
+                     : "memory");
+      }
+      if (chunk == 0) {
+        s_ok[stage * kKeys + key] = ok ? 1 : 0;
+        if constexpr (kIs8Bit<KV>) {
+          // Scales (Gp, P, S, K): the token's index in the pool, times K, plus the kv head.
+          const int64_t token = ok ? (pool_base + page) * S + slot : 0;
+          const float* ks = p.k_scale + token * K + kvh;
+          const float* vs = p.v_scale + token * K + kvh;
+          const int sb = ok ? 4 : 0;
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                           att::SmemAddress(s_scale + (stage * 2 + 0) * kKeys + key)),
+                       "l"(ks), "r"(sb)
+                       : "memory");
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;\n" ::"r"(
+                           att::SmemAddress(s_scale + (stage * 2 + 1) * kKeys + key)),
+                       "l"(vs), "r"(sb)
+                       : "memory");
+        }
+      }
+    }
+  };
+
+  // The query rows (zeros past H and for padding rows), in the first copy group.
+  const T* query = static_cast<const T*>(p.query);
+  for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+    const int row = i / (kHD / 8), chunk = i % (kHD / 8);
+    const int64_t rr = row0 + row;
+    const bool copy = rr < rows_per_kv && chunk * 8 < H;
+    const int64_t t = copy ? rr / rep : 0, n = copy ? kvh * rep + rr % rep : 0;
+    const T* src = copy ? query + ((r * p.q_len + t) * N + n) * H + chunk * 8 : query;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                     att::SmemAddress(s_q + row * kStride + chunk * 8)),
+                 "l"(src), "r"(copy ? 16 : 0)
+                 : "memory");
+  }
+#pragma unroll
+  for (int it = 0; it < kStages - 1; ++it) {
+    if (it < num_tiles) load_tile(it);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+
+  // This thread's rows of the C fragments: g and g + 8 of each m-tile, at positions
+  // len - Tq + t (int32: compared with keys < len only when the range is non-empty).
+  const int g = lane >> 2, t4 = lane & 3;
+  int32_t pos[kMT][2];
+  const int32_t pos0 = end > begin ? int32_t(len - p.q_len) : 0;
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int64_t rr = row0 + mi * 16 + g + 8 * h;
+      pos[mi][h] = pos0 + int32_t((rr < rows_per_kv ? rr : 0) / rep);
+    }
+  }
+  const int32_t window = p.window_left;
+  const bool softcap = p.softcap > 0.f;
+  const float dot_scale = softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float cap_log2 = p.softcap * kLog2e;
+
+  float m[kMT][2], l[kMT][2], acc[kMT][kHD / 8][4];
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+    m[mi][0] = m[mi][1] = -INFINITY;
+    l[mi][0] = l[mi][1] = 0.f;
+  }
+  att::Zero(acc);
+
+  for (int it = 0; it < num_tiles; ++it) {
+    const int stage = it % kStages;
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    __syncthreads();  // tile `it` landed for every thread; tile it - 1 is consumed
+    if (it + kStages - 1 < num_tiles) load_tile(it + kStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+
+    const T* k_tile;
+    const T* v_tile;
+    if constexpr (kIs8Bit<KV>) {
+      T* k16 = reinterpret_cast<T*>(smem + L::kConverted);
+      T* v16 = k16 + kKeys * kStride;
+      const unsigned char* k_raw = ring_k(stage);
+      const unsigned char* v_raw = ring_v(stage);
+      for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
+        const int key = i / kChunks, chunk = i % kChunks;
+        const int from = key * kHD + chunk * 8, to = key * kStride + chunk * 8;
+        *reinterpret_cast<uint4*>(k16 + to) =
+            Widen8<T, KV>(*reinterpret_cast<const uint2*>(k_raw + from));
+        *reinterpret_cast<uint4*>(v16 + to) =
+            Widen8<T, KV>(*reinterpret_cast<const uint2*>(v_raw + from));
+      }
+      __syncthreads();
+      k_tile = k16;
+      v_tile = v16;
+    } else {
+      k_tile = reinterpret_cast<const T*>(ring_k(stage));
+      v_tile = reinterpret_cast<const T*>(ring_v(stage));
+    }
+    const int key0 = warp * 16;  // this warp's keys of the tile
+
+    // Logits: (16 kMT) x 16 keys.
+    float s[kMT][2][4];
+    att::Zero(s);
+#pragma unroll
+    for (int kk = 0; kk < kHD / 16; ++kk) {
+      uint32_t b[4];
+      sm80::LoadBNk<kHD>(b, k_tile, key0, kk * 16, lane);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) {
+        uint32_t a[4];
+        sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
+        sm80::MmaType<T>::Mma(s[mi][0], a, b[0], b[1]);
+        sm80::MmaType<T>::Mma(s[mi][1], a, b[2], b[3]);
+      }
+    }
+
+    // Scale, softcap, mask; then the online softmax per row (a row's 16 keys sit in the
+    // 4 lanes of a quad).
+    const int32_t tile_key0 = begin + it * kKeys + key0;
+    const int32_t* ok = s_ok + stage * kKeys + key0;
+    const float* k_scale = s_scale + (stage * 2 + 0) * kKeys + key0;
+    const float* v_scale = s_scale + (stage * 2 + 1) * kKeys + key0;
+    float probs[kMT][2][4];
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        float top = m[mi][h];
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const int kl = nt * 8 + 2 * t4 + e;
+            float x = s[mi][nt][2 * h + e] * dot_scale;
+            if constexpr (kIs8Bit<KV>) x *= k_scale[kl];
+            if (softcap) x = cap_log2 * tanhf(x);
+            const int32_t behind = pos[mi][h] - (tile_key0 + kl);
+            const bool visible = ok[kl] != 0 && behind >= 0 && (window < 0 || behind <= window);
+            x = visible ? x : -INFINITY;
+            s[mi][nt][2 * h + e] = x;
+            top = fmaxf(top, x);
+          }
+        }
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
+        top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
+        // All masked so far: subtract 0 instead (exp2(-inf) = 0, no NaN from -inf - -inf).
+        const float base = top == -INFINITY ? 0.f : top;
+        const float corr = exp2f(m[mi][h] - base);
+        m[mi][h] = top;
+        float sum = 0.f;
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt) {
+#pragma unroll
+          for (int e = 0; e < 2; ++e) {
+            const float w = exp2f(s[mi][nt][2 * h + e] - base);
+            sum += w;
+            float pv = w;
+            if constexpr (kIs8Bit<KV>) pv *= v_scale[nt * 8 + 2 * t4 + e];
+            probs[mi][nt][2 * h + e] = pv;
+          }
+        }
+        l[mi][h] = l[mi][h] * corr + sum;
+#pragma unroll
+        for (int nt = 0; nt < kHD / 8; ++nt) {
+          acc[mi][nt][2 * h] *= corr;
+          acc[mi][nt][2 * h + 1] *= corr;
+        }
+      }
+    }
+
+    // P V: the probabilities as 16-bit A fragments, V's fragments by transposed ldmatrix.
+    uint32_t pa[1][kMT][4];
+    att::PackProbs<T, 16, kMT>(pa, probs);
+#pragma unroll
+    for (int nn = 0; nn < kHD / 16; ++nn) {
+      uint32_t b[4];
+      sm80::LoadBKn<kHD>(b, v_tile, key0, nn * 16, lane);
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) {
+        sm80::MmaType<T>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
+        sm80::MmaType<T>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
+      }
+    }
+  }
+
+  // Merge the 4 warps: states to shared memory (over the ring, once every copy landed and
+  // every warp is done with the tiles), then every (row, h) from all of them.
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+  float* s_o = reinterpret_cast<float*>(smem + L::kRing);
+  float* s_m = s_o + kWarps * kRows * kHD;
+  float* s_l = s_m + kWarps * kRows;
+#pragma unroll
+  for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      float sum = l[mi][h];
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const int row = mi * 16 + g + 8 * h;
+      if (t4 == 0) {
+        s_m[warp * kRows + row] = m[mi][h];
+        s_l[warp * kRows + row] = sum;
+      }
+      float* o_row = s_o + (warp * kRows + row) * kHD;
+#pragma unroll
+      for (int nt = 0; nt < kHD / 8; ++nt) {
+        *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
+            make_float2(acc[mi][nt][2 * h], acc[mi][nt][2 * h + 1]);
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t rk_count = gridDim.x / (int64_t(row_tiles) * p.num_splits);
+  WriteMergedRows<T>(p, rk, split, rows_per_kv, row0, kRows, kWarps, s_m, s_l, s_o, kHD,
+                     rk_count * p.num_splits);
+}
+
+template <typename T, typename KV, int kHD, int kMT>
+cudaError_t Launch(const PagedAttentionParams& p, int64_t rows_per_kv, cudaStream_t stream) {
+  using L = Layout<T, KV, kHD, kMT>;
+  const int64_t rk_count = p.groups * p.batch * p.kv_heads;
+  const int64_t row_tiles = CeilDiv(rows_per_kv, L::kRows);
+  const int64_t blocks = rk_count * p.num_splits * row_tiles;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT>;
+  cudaError_t err =
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
+  if (err != cudaSuccess) return err;
+  kernel<<<unsigned(blocks), kThreads, L::kBytes, stream>>>(p, rows_per_kv, int(row_tiles));
+  return cudaGetLastError();
+}
+
+// kMT = 2 (32 rows a block) when the rows need it and the accumulators fit (H <= 128:
+// 128 floats a thread); otherwise more blocks over the rows, which read the same K/V (the
+// row tiles of a split are adjacent block indices, so the second read mostly hits L2).
+template <typename T, typename KV>
+cudaError_t LaunchHeadDim(const PagedAttentionParams& p, int64_t rows_per_kv, cudaStream_t stream) {
+  const bool two = rows_per_kv > 16;
+  if (p.head_dim <= 64) {
+    return two ? Launch<T, KV, 64, 2>(p, rows_per_kv, stream)
+               : Launch<T, KV, 64, 1>(p, rows_per_kv, stream);
+  }
+  if (p.head_dim <= 128) {
+    return two ? Launch<T, KV, 128, 2>(p, rows_per_kv, stream)
+               : Launch<T, KV, 128, 1>(p, rows_per_kv, stream);
+  }
+  return Launch<T, KV, 256, 1>(p, rows_per_kv, stream);
+}
+
+}  // namespace
+
+bool TensorCoreKernelTakes(const PagedAttentionParams& p) {
+  const bool q16 = p.dtype == DType::kBF16 || p.dtype == DType::kF16;
+  const bool kv_ok =
+      p.kv_dtype == p.dtype || p.kv_dtype == DType::kS8 || p.kv_dtype == DType::kF8E4M3;
+  return q16 && kv_ok && p.head_dim <= 256;
+}
+
+cudaError_t LaunchTensorCoreSplit(const PagedAttentionParams& p, int64_t rows_per_kv,
+                                  cudaStream_t stream) {
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
+    if (p.kv_dtype == DType::kS8) return LaunchHeadDim<T, int8_t>(p, rows_per_kv, stream);
+    if (p.kv_dtype == DType::kF8E4M3) {
+      return LaunchHeadDim<T, __nv_fp8_e4m3>(p, rows_per_kv, stream);
+    }
+    return LaunchHeadDim<T, T>(p, rows_per_kv, stream);
+  });
+}
+
+}  // namespace jaxgpu::cuda::decode
