@@ -374,13 +374,14 @@ cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t str
       p.page_size * p.kv_heads * p.head_dim > INT32_MAX) {
     return cudaErrorInvalidConfiguration;
   }
-  const cudaError_t err = decode::TensorCoreKernelTakes(p)
-                              ? decode::LaunchTensorCoreSplit(p, rows_per_kv, stream)
-                              : LaunchCudaCoreSplit(p, rows_per_kv, stream);
-  if (err != cudaSuccess || p.num_splits == 1) return err;
-  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
+  PagedAttentionParams run = p;  // the tensor-core launcher may lower num_splits
+  const cudaError_t err = decode::TensorCoreKernelTakes(run)
+                              ? decode::LaunchTensorCoreSplit(&run, rows_per_kv, stream)
+                              : LaunchCudaCoreSplit(run, rows_per_kv, stream);
+  if (err != cudaSuccess || run.num_splits == 1) return err;
+  return JAXGPU_DTYPE_SWITCH(run.dtype, T, kFloatDTypes, [&] {
     PagedAttentionCombineKernel<T>
-        <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(p, rows_per_kv);
+        <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(run, rows_per_kv);
     return cudaGetLastError();
   });
 }

@@ -62,9 +62,10 @@ __device__ __forceinline__ void WriteMergedRows(const PagedAttentionParams& p, i
 }
 
 // The tensor-core split kernel (decode_tc_kernels.cu) for a 16-bit query over a 16-bit or
-// 8-bit cache: launched alone, the caller adds the combine when num_splits > 1.
+// 8-bit cache, launched alone: it may lower p->num_splits (to fill whole waves of the GPU),
+// and the caller then runs the combine with the lowered count when it is above 1.
 bool TensorCoreKernelTakes(const PagedAttentionParams& p);
-cudaError_t LaunchTensorCoreSplit(const PagedAttentionParams& p, int64_t rows_per_kv,
+cudaError_t LaunchTensorCoreSplit(PagedAttentionParams* p, int64_t rows_per_kv,
                                   cudaStream_t stream);
 
 }  // namespace jaxgpu::cuda::decode

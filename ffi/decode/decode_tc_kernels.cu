@@ -310,54 +310,78 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     // Scale, softcap, mask; then the online softmax per row (a row's 16 keys sit in the
     // 4 lanes of a quad).
+    // This thread's 4 key columns (2t, 2t + 1, 8 + 2t, 9 + 2t of the warp's 16), read from
+    // shared memory once per tile, not once per row.
     const int32_t tile_key0 = begin + it * kKeys + key0;
-    const int32_t* ok = s_ok + stage * kKeys + key0;
-    const float* k_scale = s_scale + (stage * 2 + 0) * kKeys + key0;
-    const float* v_scale = s_scale + (stage * 2 + 1) * kKeys + key0;
+    bool key_ok[4];
+    float key_scale[4], value_scale[4];
+    int32_t key_at[4];
+#pragma unroll
+    for (int c = 0; c < 4; ++c) {
+      const int kl = (c >> 1) * 8 + 2 * t4 + (c & 1);
+      key_ok[c] = s_ok[stage * kKeys + key0 + kl] != 0;
+      key_at[c] = tile_key0 + kl;
+      if constexpr (kIs8Bit<KV>) {
+        key_scale[c] = s_scale[(stage * 2 + 0) * kKeys + key0 + kl];
+        value_scale[c] = s_scale[(stage * 2 + 1) * kKeys + key0 + kl];
+      }
+    }
+    // Interior tiles (every key valid, behind every row, inside every row's window) skip
+    // the mask: the rows' positions are pos0 .. pos0 + Tq - 1.
+    const bool all_ok = __all_sync(0xffffffffu, key_ok[0] && key_ok[1] && key_ok[2] && key_ok[3]);
+    const bool interior = all_ok && tile_key0 + 15 <= pos0 &&
+                          (window < 0 || pos0 + int32_t(p.q_len) - 1 - tile_key0 <= window);
     float probs[kMT][2][4];
+    bool rescale = false;
+    float corr[kMT][2];
 #pragma unroll
     for (int mi = 0; mi < kMT; ++mi) {
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         float top = m[mi][h];
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const int kl = nt * 8 + 2 * t4 + e;
-            float x = s[mi][nt][2 * h + e] * dot_scale;
-            if constexpr (kIs8Bit<KV>) x *= k_scale[kl];
-            if (softcap) x = cap_log2 * tanhf(x);
-            const int32_t behind = pos[mi][h] - (tile_key0 + kl);
-            const bool visible = ok[kl] != 0 && behind >= 0 && (window < 0 || behind <= window);
+        for (int c = 0; c < 4; ++c) {
+          float x = s[mi][c >> 1][2 * h + (c & 1)] * dot_scale;
+          if constexpr (kIs8Bit<KV>) x *= key_scale[c];
+          if (softcap) x = cap_log2 * tanhf(x);
+          if (!interior) {
+            const int32_t behind = pos[mi][h] - key_at[c];
+            const bool visible = key_ok[c] && behind >= 0 && (window < 0 || behind <= window);
             x = visible ? x : -INFINITY;
-            s[mi][nt][2 * h + e] = x;
-            top = fmaxf(top, x);
           }
+          s[mi][c >> 1][2 * h + (c & 1)] = x;
+          top = fmaxf(top, x);
         }
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 1));
         top = fmaxf(top, __shfl_xor_sync(0xffffffffu, top, 2));
         // All masked so far: subtract 0 instead (exp2(-inf) = 0, no NaN from -inf - -inf).
         const float base = top == -INFINITY ? 0.f : top;
-        const float corr = exp2f(m[mi][h] - base);
+        corr[mi][h] = exp2f(m[mi][h] - base);
+        rescale |= top != m[mi][h];
         m[mi][h] = top;
         float sum = 0.f;
 #pragma unroll
-        for (int nt = 0; nt < 2; ++nt) {
-#pragma unroll
-          for (int e = 0; e < 2; ++e) {
-            const float w = exp2f(s[mi][nt][2 * h + e] - base);
-            sum += w;
-            float pv = w;
-            if constexpr (kIs8Bit<KV>) pv *= v_scale[nt * 8 + 2 * t4 + e];
-            probs[mi][nt][2 * h + e] = pv;
-          }
+        for (int c = 0; c < 4; ++c) {
+          const float w = exp2f(s[mi][c >> 1][2 * h + (c & 1)] - base);
+          sum += w;
+          float pv = w;
+          if constexpr (kIs8Bit<KV>) pv *= value_scale[c];
+          probs[mi][c >> 1][2 * h + (c & 1)] = pv;
         }
-        l[mi][h] = l[mi][h] * corr + sum;
+        l[mi][h] = l[mi][h] * corr[mi][h] + sum;
+      }
+    }
+    // Once the running maxima settle (after the first tiles, for most rows), no row of the
+    // warp needs its accumulator rescaled: skip the kMT x H/2 multiplies a thread would do.
+    if (__any_sync(0xffffffffu, rescale)) {
+#pragma unroll
+      for (int mi = 0; mi < kMT; ++mi) {
 #pragma unroll
         for (int nt = 0; nt < kHD / 8; ++nt) {
-          acc[mi][nt][2 * h] *= corr;
-          acc[mi][nt][2 * h + 1] *= corr;
+          acc[mi][nt][0] *= corr[mi][0];
+          acc[mi][nt][1] *= corr[mi][0];
+          acc[mi][nt][2] *= corr[mi][1];
+          acc[mi][nt][3] *= corr[mi][1];
         }
       }
     }
@@ -410,18 +434,54 @@ __global__ void __launch_bounds__(kThreads, 2)
                      rk_count * p.num_splits);
 }
 
+// The split count that keeps the GPU's block slots busiest: p.num_splits (the workspace's
+// size, from jaxgpu/ops/decode.py) is an upper bound; each count costs waves / splits of a
+// whole row's time, waves = ceil(blocks / slots). Whole waves matter: measured on the H100
+// (bf16, 32/8, H 128, B 8, L 32k, 2 blocks an SM) the 5 splits of the old block-count rule
+// made 320 blocks for 264 slots and read 1.79 TB/s. Among counts within 3% of the best, the
+// smallest wins (fewer partials to combine). Splits past the row's capacity in 64-key
+// tiles would only be empty.
+int ChooseSplits(int64_t base_blocks, int64_t slots, int max_splits, int64_t max_tiles) {
+  const int most = int(max_tiles < max_splits ? (max_tiles < 1 ? 1 : max_tiles) : max_splits);
+  auto cost = [&](int s) { return double(CeilDiv(base_blocks * s, slots)) / s; };
+  double best = cost(1);
+  for (int s = 2; s <= most; ++s) best = cost(s) < best ? cost(s) : best;
+  for (int s = 1; s <= most; ++s) {
+    if (cost(s) <= best * 1.03) return s;
+  }
+  return 1;
+}
+
 template <typename T, typename KV, int kHD, int kMT>
-cudaError_t Launch(const PagedAttentionParams& p, int64_t rows_per_kv, cudaStream_t stream) {
+cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
   using L = Layout<T, KV, kHD, kMT>;
-  const int64_t rk_count = p.groups * p.batch * p.kv_heads;
-  const int64_t row_tiles = CeilDiv(rows_per_kv, L::kRows);
-  const int64_t blocks = rk_count * p.num_splits * row_tiles;
-  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
   auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT>;
+  // Per process and instance: the device's SM count and this kernel's blocks an SM (one
+  // GPU model per process is the common case; a wrong guess costs speed, not results).
+  static const int64_t slots = [&] {
+    int device = 0, sms = 0, per_sm = 0;
+    if (cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes) !=
+            cudaSuccess ||
+        cudaGetDevice(&device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kBytes) !=
+            cudaSuccess) {
+      return int64_t(0);
+    }
+    return int64_t(sms) * per_sm;
+  }();
   cudaError_t err =
       cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, L::kBytes);
   if (err != cudaSuccess) return err;
-  kernel<<<unsigned(blocks), kThreads, L::kBytes, stream>>>(p, rows_per_kv, int(row_tiles));
+  const int64_t rk_count = p->groups * p->batch * p->kv_heads;
+  const int64_t row_tiles = CeilDiv(rows_per_kv, L::kRows);
+  if (slots > 0) {
+    p->num_splits = ChooseSplits(rk_count * row_tiles, slots, p->num_splits,
+                                 CeilDiv(p->max_pages * p->page_size, kKeys));
+  }
+  const int64_t blocks = rk_count * p->num_splits * row_tiles;
+  if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
+  kernel<<<unsigned(blocks), kThreads, L::kBytes, stream>>>(*p, rows_per_kv, int(row_tiles));
   return cudaGetLastError();
 }
 
@@ -429,13 +489,13 @@ cudaError_t Launch(const PagedAttentionParams& p, int64_t rows_per_kv, cudaStrea
 // 128 floats a thread); otherwise more blocks over the rows, which read the same K/V (the
 // row tiles of a split are adjacent block indices, so the second read mostly hits L2).
 template <typename T, typename KV>
-cudaError_t LaunchHeadDim(const PagedAttentionParams& p, int64_t rows_per_kv, cudaStream_t stream) {
+cudaError_t LaunchHeadDim(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
   const bool two = rows_per_kv > 16;
-  if (p.head_dim <= 64) {
+  if (p->head_dim <= 64) {
     return two ? Launch<T, KV, 64, 2>(p, rows_per_kv, stream)
                : Launch<T, KV, 64, 1>(p, rows_per_kv, stream);
   }
-  if (p.head_dim <= 128) {
+  if (p->head_dim <= 128) {
     return two ? Launch<T, KV, 128, 2>(p, rows_per_kv, stream)
                : Launch<T, KV, 128, 1>(p, rows_per_kv, stream);
   }
@@ -451,11 +511,11 @@ bool TensorCoreKernelTakes(const PagedAttentionParams& p) {
   return q16 && kv_ok && p.head_dim <= 256;
 }
 
-cudaError_t LaunchTensorCoreSplit(const PagedAttentionParams& p, int64_t rows_per_kv,
+cudaError_t LaunchTensorCoreSplit(PagedAttentionParams* p, int64_t rows_per_kv,
                                   cudaStream_t stream) {
-  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
-    if (p.kv_dtype == DType::kS8) return LaunchHeadDim<T, int8_t>(p, rows_per_kv, stream);
-    if (p.kv_dtype == DType::kF8E4M3) {
+  return JAXGPU_DTYPE_SWITCH(p->dtype, T, kHalfDTypes, [&] {
+    if (p->kv_dtype == DType::kS8) return LaunchHeadDim<T, int8_t>(p, rows_per_kv, stream);
+    if (p->kv_dtype == DType::kF8E4M3) {
       return LaunchHeadDim<T, __nv_fp8_e4m3>(p, rows_per_kv, stream);
     }
     return LaunchHeadDim<T, T>(p, rows_per_kv, stream);

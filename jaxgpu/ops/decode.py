@@ -43,10 +43,13 @@ MAX_HEAD_DIM = 256
 HEAD_DIM_MULTIPLE = 8   # a 16-byte vector of 16-bit values: the kernels' unit of a row
 PAGE_SIZE_MULTIPLE = 8
 
-# Split-KV: enough thread blocks to fill the GPU twice over (2 x 132 SMs of an H100) when
-# batch x kv heads alone does not; each split then reads at least _MIN_SPLIT_PAGES pages, so
-# that the combine's extra traffic stays small against the cache bytes each split reads.
-_TARGET_BLOCKS = 264
+# Split-KV: the workspace has room for enough thread blocks to fill 4 x 132 block slots of
+# an H100 (2 to 4 blocks an SM, by the kernel's shared memory) when batch x kv heads alone
+# does not; the tensor-core kernel then picks the count that fills whole waves of the GPU
+# it runs on (decode_tc_kernels.cu, ChooseSplits), the float32 kernel takes this one. Each
+# split reads at least _MIN_SPLIT_PAGES pages, so that the combine's extra traffic stays
+# small against the cache bytes each split reads.
+_TARGET_BLOCKS = 4 * 132
 _MIN_SPLIT_PAGES = 4
 _MAX_SPLITS = 64
 
