@@ -113,7 +113,8 @@ def test_sample_top_k_and_top_p_keep_the_right_tokens():
   assert abs(np.mean(draws == 0) - 0.5 / 0.95) < 0.05
 
 
-def test_prefill_and_decode_steps_are_the_generation():
+@pytest.mark.parametrize("cache", ["contiguous", "paged"])
+def test_prefill_and_decode_steps_are_the_generation(cache):
   """The benchmark's pieces: prefill, then decode_step by hand, give generate's tokens."""
   c = gemma.Config.tiny(2)
   params = U.random_params(c, 9, embed_std=0.05)
@@ -124,17 +125,18 @@ def test_prefill_and_decode_steps_are_the_generation():
   for b, p in enumerate(prompts):
     tokens[b, :len(p)] = p
   lengths = jnp.asarray([len(p) for p in prompts], jnp.int32)
-  logits, cache = gemma.prefill(params, c, tokens, lengths, cache_len=longest + NEW)
-  assert [layer["k"].shape[1] for layer in cache] == [
-      c.sliding_window if t == "local" else longest + NEW for t in c.layer_types]
-  empty = gemma.empty_cache(c, len(prompts), longest + NEW, jnp.float32)
+  logits, kv = gemma.prefill(params, c, tokens, lengths, cache_len=longest + NEW, cache=cache)
+  if cache == "contiguous":
+    assert [layer["k"].shape[1] for layer in kv] == [
+        c.sliding_window if t == "local" else longest + NEW for t in c.layer_types]
+  empty = gemma.empty_cache(c, len(prompts), longest + NEW, jnp.float32, cache=cache)
   assert jax.tree.map(lambda a: (a.shape, a.dtype), empty) == jax.tree.map(
-      lambda a: (a.shape, a.dtype), cache)
+      lambda a: (a.shape, a.dtype), kv)
   got, pos = [], lengths
   for _ in range(NEW):
     token = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     got.append(token)
-    logits, cache = gemma.decode_step(params, c, cache, token, pos)
+    logits, kv = gemma.decode_step(params, c, kv, token, pos)
     pos = pos + 1
   np.testing.assert_array_equal(np.stack(got, axis=1), np.asarray(out.tokens))
 

@@ -64,7 +64,7 @@ def main() -> int:
   tokens = jnp.ones((args.batch,), jnp.int32)
   if args.launches:
     for impl_name, impl in (("cuda", None), ("xla", "xla")):
-      cache = gemma.empty_cache(config, args.batch, 4097)
+      cache = gemma.empty_cache(config, args.batch, 4097, implementation=impl)
       text = gemma.decode_step.lower(params, config, cache, tokens, tokens,
                                      implementation=impl).compile().as_text()
       print(f"  {impl_name:<5} one step launches {count_launches(text)} kernels "
@@ -73,7 +73,7 @@ def main() -> int:
   for impl_name, impl in (("cuda", None), ("xla", "xla")):
     base = None
     for context in [int(c) for c in args.contexts.split(",")]:
-      cache = gemma.empty_cache(config, args.batch, context + 1)
+      cache = gemma.empty_cache(config, args.batch, context + 1, implementation=impl)
       positions = jnp.full((args.batch,), context, jnp.int32)
       for _ in range(2):
         logits, cache = gemma.decode_step(params, config, cache, tokens, positions,

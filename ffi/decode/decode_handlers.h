@@ -4,19 +4,21 @@
 // FFI contract (Python side: jaxgpu/ops/decode.py; shapes in decode_params.h):
 //   jaxgpu_paged_attention_fwd
 //     args  query (G, B, Tq, N, H) f32|bf16|f16, k_pages, v_pages (Gp, P, S, K, H) same
-//           dtype (Gp in {1, G}), block_table (G, B, M) s32, lengths (G, B) s32
+//           dtype (Gp in {1, G}; rank 4 is Gp = 1), block_table (G, B, M) s32, lengths (G, B) s32
 //     rets  out (G, B, Tq, N, H) in query's dtype, workspace (W,) f32
 //           (W = PagedAttentionWorkspaceSize: 0 with one split)
 //     attrs scale f32 > 0, softcap f32 (0: none), window_left s32 (-1: none),
 //           num_splits s32 in [1, 1024]
 //   jaxgpu_paged_kv_update_fwd
-//     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, k_new, v_new (G, B, Tn, K, H)
-//           same dtype, block_table (G, B, M) s32, positions (G, B, Tn) s32
+//     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, or (P, S, K, H) when G = 1,
+//           k_new, v_new (G, B, Tn, K, H) same dtype, block_table (G, B, M) s32,
+//           positions (G, B, Tn) s32
 //     rets  k_pages, v_pages: the caches, aliased to the first two arguments
 // An 8-bit cache will add its scales as further arguments and its element types to the
 // pages' accepted set; the attributes stay.
 #pragma once
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <string>
@@ -69,7 +71,14 @@ ffi::Error Rank(const Buf& buf, size_t rank, const char* name, const char* shape
 inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const char* name,
                              int64_t* groups, int64_t* num_pages, int64_t* page_size,
                              int64_t* kv_heads, int64_t* head_dim) {
-  JAXGPU_RETURN_IF_ERROR(Rank(pages, 5, name, "(G, P, S, K, H)"));
+  // Rank 4 is one group: an unbatched pool reaches the update's FFI call without the
+  // reshape that adds a unit group dim, which would keep XLA from aliasing a donated pool
+  // to the result (it copies a buffer around a bitcast feeding an in-place custom call).
+  const size_t rank = pages.dimensions().size();
+  if (rank != 4 && rank != 5) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected rank 4 (P, S, K, H) or 5 (G, P, S, K, H)");
+  }
   DType got;
   JAXGPU_RETURN_IF_ERROR(CheckDType(pages, kFloatDTypes, name, &got));
   if (got != dtype) {
@@ -77,11 +86,12 @@ inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const cha
                                        ", got " + DTypeName(got));
   }
   auto d = pages.dimensions();
-  *groups = d[0];
-  *num_pages = d[1];
-  *page_size = d[2];
-  *kv_heads = d[3];
-  *head_dim = d[4];
+  const size_t o = rank - 4;
+  *groups = o ? d[0] : 1;
+  *num_pages = d[o];
+  *page_size = d[o + 1];
+  *kv_heads = d[o + 2];
+  *head_dim = d[o + 3];
   if (*page_size < 8 || *page_size % 8 != 0) {
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": the page size must be a positive multiple of 8");
@@ -90,6 +100,16 @@ inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const cha
   if (*head_dim < 8 || *head_dim > kMaxHeadDim || *head_dim % 8 != 0) {
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": the head dim must be a multiple of 8 in [8, 256]");
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error SameShape(const ffi::AnyBuffer& buf, const ffi::AnyBuffer& like,
+                            const char* name) {
+  auto a = buf.dimensions();
+  auto b = like.dimensions();
+  if (a.size() != b.size() || !std::equal(a.begin(), a.end(), b.begin())) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": must have the shape of k_pages");
   }
   return ffi::Error::Success();
 }
@@ -184,9 +204,7 @@ inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer
   JAXGPU_RETURN_IF_ERROR(CheckDType(k_pages, kFloatDTypes, "k_pages", &p->dtype));
   JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, p->dtype, "k_pages", &p->groups, &p->num_pages,
                                     &p->page_size, &p->kv_heads, &p->head_dim));
-  const auto pool = k_pages.dimensions();
-  JAXGPU_RETURN_IF_ERROR(
-      CheckDims(v_pages, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "v_pages"));
+  JAXGPU_RETURN_IF_ERROR(SameShape(v_pages, k_pages, "v_pages"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_pages, k_pages.element_type(), k_pages.element_count(), "v_pages"));
   JAXGPU_RETURN_IF_ERROR(Rank(k_new, 5, "k_new", "(G, B, Tn, K, H)"));
@@ -209,12 +227,10 @@ inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer
   JAXGPU_RETURN_IF_ERROR(CheckDims(positions, {p->groups, p->batch, p->new_len}, "positions"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(positions, ffi::DataType::S32, p->groups * p->batch * p->new_len, "positions"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckDims(*k_out, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(SameShape(*k_out, k_pages, "k_pages (result)"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckDims(*v_out, {pool[0], pool[1], pool[2], pool[3], pool[4]}, "v_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
   p->kv_dtype = p->dtype;

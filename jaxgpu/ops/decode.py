@@ -130,10 +130,18 @@ def _attention_call(cfg: _AttentionConfig, query, k_pages, v_pages, block_table,
 
 def _update_call(implementation, k_pages, v_pages, k_new, v_new, block_table, positions):
   def local_fn(kp, vp, kn, vn, table, pos):
+    shape = kp.shape
+    if shape[0] == 1:
+      # One group: the pools go to the kernel as (P, S, K, H), so that this reshape cancels
+      # the caller's [None] and the custom call gets the donated buffer itself. Between a
+      # bitcast and an in-place custom call XLA copies the buffer (on the way in and out),
+      # which would cost two copies of the cache per update.
+      kp, vp = kp.reshape(shape[1:]), vp.reshape(shape[1:])
     outs = (jax.ShapeDtypeStruct(kp.shape, kp.dtype), jax.ShapeDtypeStruct(vp.shape, vp.dtype))
     target = PAGED_KV_UPDATE.target("fwd", implementation)
-    return tuple(jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0, 1: 1})(
-        kp, vp, kn, vn, table, pos))
+    k, v = jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0, 1: 1})(
+        kp, vp, kn, vn, table, pos)
+    return k.reshape(shape), v.reshape(shape)
 
   return grouped_call(local_fn, _UPDATE_LAYOUT, k_pages, v_pages, k_new, v_new, block_table,
                       positions)

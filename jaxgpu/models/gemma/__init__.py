@@ -7,7 +7,8 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   params.py    init_params, param_shapes, check_params
   model.py     forward, hidden_states, loss
   train.py     AdamW, init_opt_state, opt_state_specs, train_step
-  generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache
+  generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache,
+               PagedCache (the paged KV cache), resolve_cache
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
   checkpoint.py  load_hf_checkpoint, save_hf_checkpoint, config_from_hf, hf_config_from
 """
@@ -15,8 +16,9 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
 from jaxgpu.models.gemma.checkpoint import (config_from_hf, hf_config_from,
                                             load_hf_checkpoint, save_hf_checkpoint)
 from jaxgpu.models.gemma.config import Config
-from jaxgpu.models.gemma.generate import (GenerateOutput, Sampling, decode, decode_step,
-                                          empty_cache, generate, prefill, sample)
+from jaxgpu.models.gemma.generate import (GenerateOutput, PagedCache, Sampling, decode,
+                                          decode_step, empty_cache, generate, prefill,
+                                          resolve_cache, sample)
 from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
@@ -27,6 +29,7 @@ __all__ = [
     "AdamW",
     "Config",
     "GenerateOutput",
+    "PagedCache",
     "Sampling",
     "batch_sharding",
     "check_params",
@@ -47,6 +50,7 @@ __all__ = [
     "param_shardings",
     "param_specs",
     "prefill",
+    "resolve_cache",
     "sample",
     "save_hf_checkpoint",
     "shard_batch",
