@@ -112,8 +112,13 @@ struct PagedKvUpdateParams {
 
 // Bytes of one page pool (both caches have this size).
 inline int64_t PagedKvPoolBytes(const PagedKvUpdateParams& p) {
-  return DTypeBytes(p.kv_dtype,
-                    p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
+  return DTypeBytes(p.kv_dtype, p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
+}
+
+// Bytes of one 8-bit cache's scales (0 without scales).
+inline int64_t PagedKvScaleBytes(const PagedKvUpdateParams& p) {
+  if (p.k_scale == nullptr) return 0;
+  return int64_t(sizeof(float)) * p.groups * p.num_pages * p.page_size * p.kv_heads;
 }
 
 }  // namespace jaxgpu
