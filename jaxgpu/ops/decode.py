@@ -438,8 +438,8 @@ def paged_attention(query, k_pages, v_pages, block_table, lengths, *, scale=None
     implementation: None (the FFI kernel of the platform), 'cuda', 'cpu', or 'xla'.
 
   Returns:
-    (B, Tq, N, H) in the query's dtype (also with an 8-bit cache). A query that sees no key (a row of length 0, or
-    length < Tq for the first new tokens) gets zeros.
+    (B, Tq, N, H) in the query's dtype (also with an 8-bit cache). A query that sees no
+    key (a row of length 0, or length < Tq for the first new tokens) gets zeros.
 
   Bad input: concrete lengths outside [0, max_pages * page_size] and concrete table
   entries of pages in use outside [0, P) raise ValueError. Traced ones cannot be checked,
