@@ -36,8 +36,10 @@ namespace jaxgpu {
 // k_pages[g, p, s, k, h] is float(k_pages[g, p, s, k, h]) * k_scale[g, p, s, k]. A 16-bit
 // or float32 cache has kv_dtype == dtype and null scales. The update quantizes each new
 // token's K (and V) row of one kv head with scale = max|row| / Qmax (Qmax 127 for int8,
-// 448 for e4m3; scale 0 for an all-zero row): int8 rounds half to even and clamps to
-// [-127, 127], e4m3 rounds to nearest even and saturates at 448.
+// 448 for e4m3; scale 0 for an all-zero row) and values row / scale, both IEEE float32
+// divisions (a multiply by a reciprocal rounds differently), zeros where the scale is 0:
+// int8 rounds half to even and clamps to [-127, 127], e4m3 rounds to nearest even and
+// saturates at 448. The CPU and CUDA updates and jaxgpu.quantize_kv agree bit for bit.
 struct PagedAttentionParams {
   DType dtype;     // of query and out
   DType kv_dtype;  // of the pages: dtype, or kS8 / kF8E4M3 with scales

@@ -65,8 +65,9 @@ def quantize_kv(x, dtype):
   amax = jnp.max(jnp.abs(xf), axis=-1)
   # XLA turns a division by a constant or a broadcast (A / broadcast(b)) into a multiply by
   # the rounded reciprocal; a full-shape divisor behind an optimization barrier stays an
-  # IEEE division.
-  scale = amax / _opaque(jnp.full(amax.shape, QMAX[qdtype], jnp.float32))
+  # IEEE division. The divisors derive from x, so that under vmap they are batched with it
+  # (an unbatched one would be broadcast after the barrier, and rewritten).
+  scale = amax / _opaque(jnp.where(jnp.isnan(amax), 1.0, jnp.float32(QMAX[qdtype])))
   ok = scale > 0
   divisor = _opaque(jnp.broadcast_to(jnp.where(ok, scale, 1.0)[..., None], xf.shape))
   y = jnp.where(ok[..., None], xf / divisor, 0.0)
