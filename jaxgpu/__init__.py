@@ -21,6 +21,7 @@ from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
 from jaxgpu.ops.softmax import softmax  # noqa: E402
+from jaxgpu.reference.decode import quantize_kv  # noqa: E402
 
 __version__ = "0.1.0"
 
@@ -35,6 +36,7 @@ __all__ = [
     "layer_norm",
     "paged_attention",
     "paged_kv_update",
+    "quantize_kv",
     "relu",
     "rms_norm",
     "rope",

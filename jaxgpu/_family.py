@@ -7,8 +7,8 @@ target from Python to `ffi/<family>/<family>_targets.h`). The CLI (`python -m ja
 nothing else spells a target name.
 
 A pass is a name the family chooses: 'fwd' and 'bwd' for most ops; a GEMM has 'fwd',
-'dgrad' and 'wgrad'; a forward-only op (decode attention) has only 'fwd' and declares
-`differentiable=False`.
+'dgrad' and 'wgrad'; a forward-only op (decode attention) has 'fwd', and 'fwd_q8' for the
+target its 8-bit cache calls, and declares `differentiable=False`.
 """
 
 from __future__ import annotations

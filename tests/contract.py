@@ -154,6 +154,14 @@ class OpSpec:
   shard_map: ShardMapCase | None = None
   bad_inputs: tuple = ()                # BadInput
   size_zero: tuple = ()                 # (id, example)
+  # A variant of the op (its 8-bit cache, say) with a spec of its own: its name in test
+  # ids, and the pass its forward lowers to.
+  variant: str = ""
+  fwd_pass: str = "fwd"
+
+  @property
+  def id(self) -> str:
+    return f"{self.name}[{self.variant}]" if self.variant else self.name
 
   @property
   def op(self) -> _family.Op:
@@ -255,7 +263,7 @@ def _jitted(spec: OpSpec, transform, static: dict, dtype, cache_as):
   make = lambda: jax.jit(transform(ref_fn(spec, static, dtype)))
   if cache_as is None:
     return make()
-  key = (spec.name, cache_as, tuple(sorted(static.items())),
+  key = (spec.id, cache_as, tuple(sorted(static.items())),
          None if dtype is None else jnp.dtype(dtype).name)
   try:
     hash(key)
@@ -326,13 +334,13 @@ def atols(spec: OpSpec, static: dict, examples, grad_scale=None) -> tuple[dict, 
 def check_outputs(spec: OpSpec, got, exact, lowp, out_atol: dict, what: str):
   assert len(got) == len(exact), (what, len(got), len(exact))
   for name, g, e, r in zip(spec.outputs, got, exact, lowp):
-    oracle.check(g, e, r, what=f"{spec.name} {what} {name}", extra_atol=out_atol.get(name, 0.0))
+    oracle.check(g, e, r, what=f"{spec.id} {what} {name}", extra_atol=out_atol.get(name, 0.0))
 
 
 def check_grads(spec: OpSpec, got: dict, exact: dict, lowp: dict, grad_atol: dict, what: str):
   assert set(got) == set(exact), (what, set(got), set(exact))
   for k in got:
-    oracle.check(got[k], exact[k], lowp[k], what=f"{spec.name} {what} d{k}",
+    oracle.check(got[k], exact[k], lowp[k], what=f"{spec.id} {what} d{k}",
                  atol_ulps=spec.grad_atol_ulps, extra_atol=grad_atol.get(k, 0.0))
 
 

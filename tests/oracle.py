@@ -148,7 +148,8 @@ def check(actual, oracle, lowp, *, what: str, dtype=None, atol_ulps: float = 4.0
   """max|actual - oracle| <= 2 * max|lowp - oracle| + atol, and nothing NaN.
 
   atol = atol_ulps unit roundoffs of the result's dtype times the oracle's magnitude:
-  the rounding noise one extra rounding (or a different summation order) may add.
+  the rounding noise one extra rounding (or a different summation order) may add; none for
+  integer and 8-bit float results (quantized values, exact by definition).
   """
   a64 = as_f64(actual)
   o64 = np.asarray(oracle, np.float64)
@@ -165,7 +166,10 @@ def check(actual, oracle, lowp, *, what: str, dtype=None, atol_ulps: float = 4.0
   err = float(np.max(np.abs(a64 - o64)))
   ref_err = float(np.max(np.abs(r64 - o64)))
   scale = float(np.max(np.abs(o64)))
-  atol = atol_ulps * unit_roundoff(dtype) * max(scale, 1e-30) + extra_atol
+  # An integer or 8-bit float result is a quantized value, defined bit for bit: no slack.
+  quantized = jnp.dtype(dtype).itemsize == 1 or not jnp.issubdtype(dtype, jnp.floating)
+  ulp = 0.0 if quantized else unit_roundoff(dtype)
+  atol = atol_ulps * ulp * max(scale, 1e-30) + extra_atol
   budget = 2 * ref_err + atol
   if not err <= budget:
     i = np.unravel_index(np.argmax(np.abs(a64 - o64)), o64.shape)

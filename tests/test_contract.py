@@ -31,16 +31,16 @@ _DIFF = [s for s in _ALL if s.differentiable]
 
 
 def _by_spec(specs):
-  return [pytest.param(s, id=s.name) for s in specs]
+  return [pytest.param(s, id=s.id) for s in specs]
 
 
 def _vmap_params(mode):
-  return [pytest.param(s, c, id=f"{s.name}-{c.id}-{C.dtype_id(c.example.dtype)}")
+  return [pytest.param(s, c, id=f"{s.id}-{c.id}-{C.dtype_id(c.example.dtype)}")
           for s in (_ALL if mode == "fwd" else _DIFF) for c in s.vmap if mode in c.modes]
 
 
 def _sharding_params():
-  return [pytest.param(s, c, t, id=f"{s.name}-{c.id}-{t}")
+  return [pytest.param(s, c, t, id=f"{s.id}-{c.id}-{t}")
           for s in _ALL for c in s.sharding for t in c.axis_types]
 
 
@@ -48,11 +48,11 @@ def _sharding_params():
 _PARAMS = {
     "test_lowers_to_its_targets": ("spec", lambda: _by_spec(_ALL)),
     "test_default_implementation_runs_platform_kernel": ("spec,platform", lambda: [
-        pytest.param(s, p, id=f"{s.name}-{p}",
+        pytest.param(s, p, id=f"{s.id}-{p}",
                      marks=(pytest.mark.gpu,) if p == "cuda" else ())
         for s in _ALL for p in ("cuda", "cpu")]),
     "test_env_var_forces_implementation": ("spec,forced", lambda: [
-        pytest.param(s, f, id=f"{s.name}-{f}") for s in _ALL for f in ("xla", "cpu")]),
+        pytest.param(s, f, id=f"{s.id}-{f}") for s in _ALL for f in ("xla", "cpu")]),
     "test_env_var_bad_value": ("spec", lambda: _by_spec(_ALL)),
     "test_env_var_cuda_without_gpu": ("spec", lambda: _by_spec(_ALL)),
     "test_cuda_without_gpu": ("spec", lambda: _by_spec(_ALL)),
@@ -60,16 +60,16 @@ _PARAMS = {
     "test_grad_refused": ("spec", lambda: _by_spec([s for s in _ALL if not s.differentiable])),
     "test_numpy_inputs": ("spec", lambda: _by_spec(_ALL)),
     "test_bad_input": ("spec,bad", lambda: [
-        pytest.param(s, b, id=f"{s.name}-{b.id}") for s in _ALL for b in s.bad_inputs]),
+        pytest.param(s, b, id=f"{s.id}-{b.id}") for s in _ALL for b in s.bad_inputs]),
     "test_size_zero": ("spec,example", lambda: [
-        pytest.param(s, e, id=f"{s.name}-{i}") for s in _ALL for i, e in s.size_zero]),
+        pytest.param(s, e, id=f"{s.id}-{i}") for s in _ALL for i, e in s.size_zero]),
     "test_vmap": ("spec,case", lambda: _vmap_params("fwd")),
     "test_vmap_of_grad": ("spec,case", lambda: _vmap_params("grad")),
     "test_grad_of_vmap": ("spec,case", lambda: _vmap_params("grad_of")),
     "test_sharded": ("spec,case,axis_type", _sharding_params),
     "test_shard_map": ("spec", lambda: _by_spec([s for s in _ALL if s.shard_map])),
     "test_grad_inside_shard_map": ("spec,check_vma", lambda: [
-        pytest.param(s, v, id=f"{s.name}-{'vma' if v else 'novma'}")
+        pytest.param(s, v, id=f"{s.id}-{'vma' if v else 'novma'}")
         for s in _DIFF if s.shard_map for v in (True, False)]),
     "test_shard_map_outputs_are_varying": ("spec", lambda: _by_spec(
         [s for s in _ALL if s.shard_map])),
@@ -86,7 +86,13 @@ def pytest_generate_tests(metafunc):
 def test_every_op_has_a_spec():
   """SPECS holds exactly the public ops the families declare (jaxgpu._family)."""
   declared = set(_family.all_ops())
-  assert set(SPECS) == declared, set(SPECS) ^ declared
+  specified = {spec.name for spec in SPECS.values()}
+  assert specified == declared, specified ^ declared
+  # A forward-only op's every pass (its variants' targets) is some spec's forward.
+  for name, (_, op) in _family.all_ops().items():
+    if not op.differentiable:
+      covered = {spec.fwd_pass for spec in _ALL if spec.name == name}
+      assert covered == set(op.targets), (name, covered ^ set(op.targets))
   for spec in _ALL:
     assert set(spec.diff_args) <= set(spec.array_args), spec.name
     assert spec.differentiable == bool(spec.diff_args), spec.name
@@ -115,12 +121,12 @@ def test_lowers_to_its_targets(spec, implementation, rng):
     assert not any(t.startswith("jaxgpu_") for t in fwd | bwd), fwd | bwd
     return
   op = spec.op
-  assert op.target("fwd", implementation) in fwd, fwd
+  assert op.target(spec.fwd_pass, implementation) in fwd, fwd
   for pass_ in op.targets:
-    if pass_ != "fwd" and spec.differentiable:
+    if pass_ != spec.fwd_pass and spec.differentiable:
       assert op.target(pass_, implementation) in bwd, (pass_, bwd)
   if spec.differentiable and not spec.grad_runs_forward:
-    assert op.target("fwd", implementation) not in bwd, "grad must not re-run the forward"
+    assert op.target(spec.fwd_pass, implementation) not in bwd, "grad must not re-run the forward"
 
 
 def test_default_implementation_runs_platform_kernel(spec, platform, rng):
@@ -130,7 +136,7 @@ def test_default_implementation_runs_platform_kernel(spec, platform, rng):
   arrays, static = _example(spec, rng)
   arrays = jax.device_put(arrays, device)
   f = jax.jit(C.op_fn(spec, None, static))
-  assert spec.op.target("fwd", None) in C.custom_call_targets(f.lower(arrays))
+  assert spec.op.target(spec.fwd_pass, None) in C.custom_call_targets(f.lower(arrays))
   explicit = jax.jit(C.op_fn(spec, platform, static))(arrays)
   for a, b in zip(f(arrays), explicit):
     np.testing.assert_array_equal(np.asarray(a.astype(jnp.float32)),
@@ -154,7 +160,7 @@ def test_env_var_forces_implementation(spec, forced, monkeypatch, rng):
   if forced == "xla":
     assert not any(t.startswith("jaxgpu_") for t in targets), targets
   else:
-    assert spec.op.target("fwd", forced) in targets, targets
+    assert spec.op.target(spec.fwd_pass, forced) in targets, targets
   targets = C.custom_call_targets(jax.jit(C.op_fn(spec, "xla", static)).lower(arrays))
   assert not any(t.startswith("jaxgpu_") for t in targets), targets
   _check_forward(spec, arrays, static, C.op_fn(spec, None, static)(arrays), "under the env var")

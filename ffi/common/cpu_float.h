@@ -63,10 +63,49 @@ inline uint16_t FloatToF16(float f) {
   return uint16_t(sign | (r >> 13));
 }
 
+// float8_e4m3fn (bias 7, 3 mantissa bits, no infinities, 0x7f / 0xff NaN, max 448).
+inline float F8E4M3ToFloat(uint8_t c) {
+  const uint32_t exp = (c >> 3) & 0xfu, man = c & 0x7u;
+  float v;
+  if ((c & 0x7fu) == 0x7fu) {
+    v = BitsToFloat(0x7fc00000u);
+  } else if (exp == 0) {
+    v = float(man) * 0.001953125f;  // subnormal: man * 2^-9
+  } else {
+    v = BitsToFloat(((exp + 120u) << 23) | (man << 20));
+  }
+  return (c & 0x80u) ? -v : v;
+}
+
+// Round to nearest even, saturating: a finite value past 448 gives +-448 (CUDA's
+// __NV_SATFINITE), NaN gives NaN.
+inline uint8_t FloatToF8E4M3Sat(float f) {
+  const uint32_t u = FloatToBits(f);
+  const uint8_t sign = uint8_t((u >> 24) & 0x80u);
+  const uint32_t au = u & 0x7fffffffu;
+  if (au > 0x7f800000u) return uint8_t(sign | 0x7fu);
+  if (au < 0x3c800000u) {  // below 2^-6: subnormal or zero
+    // Scale so that the subnormal quantum (2^-9) becomes 1, round to nearest even; 8 is
+    // the smallest normal's code, so rounding up into it needs no special case.
+    const float scaled = BitsToFloat(au) * 512.0f;  // exact (power of two)
+    uint32_t m = uint32_t(scaled);
+    const float rem = scaled - float(m);
+    if (rem > 0.5f || (rem == 0.5f && (m & 1u))) ++m;
+    return uint8_t(sign | m);
+  }
+  if (au >= 0x43e00000u) return uint8_t(sign | 0x7eu);  // >= 448
+  uint32_t r = au + 0x7ffffu + ((au >> 20) & 1u);       // round the mantissa to 3 bits
+  r -= 0x3c000000u;                                     // rebias 127 -> 7
+  const uint32_t code = r >> 20;
+  return uint8_t(sign | (code > 0x7eu ? 0x7eu : code));
+}
+
 // n elements from offset `at` of a buffer holding `t`, to / from float. One dtype switch
 // per row keeps the per-element loops branch-free (and vectorizable). `t` is one of
-// kFloatDTypes (the handlers admit no other, CheckDType): any other loads as NaN, stores
-// nothing and round-trips to NaN, so a misuse shows in the output instead of passing.
+// kFloatDTypes (the handlers admit no other, CheckDType); LoadFloats also reads the 8-bit
+// KV cache's int8 and float8_e4m3fn values (exact in float). Any other type loads as NaN,
+// stores nothing and round-trips to NaN, so a misuse shows in the output instead of
+// passing.
 inline void LoadFloats(const void* p, DType t, int64_t at, int64_t n, float* out) {
   switch (t) {
     case DType::kF32: {
@@ -82,6 +121,16 @@ inline void LoadFloats(const void* p, DType t, int64_t at, int64_t n, float* out
     case DType::kF16: {
       const uint16_t* src = static_cast<const uint16_t*>(p) + at;
       for (int64_t i = 0; i < n; ++i) out[i] = F16ToFloat(src[i]);
+      break;
+    }
+    case DType::kS8: {
+      const int8_t* src = static_cast<const int8_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = float(src[i]);
+      break;
+    }
+    case DType::kF8E4M3: {
+      const uint8_t* src = static_cast<const uint8_t*>(p) + at;
+      for (int64_t i = 0; i < n; ++i) out[i] = F8E4M3ToFloat(src[i]);
       break;
     }
     default:

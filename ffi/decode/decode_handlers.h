@@ -4,23 +4,30 @@
 // FFI contract (Python side: jaxgpu/ops/decode.py; shapes in decode_params.h):
 //   jaxgpu_paged_attention_fwd
 //     args  query (G, B, Tq, N, H) f32|bf16|f16, k_pages, v_pages (Gp, P, S, K, H) same
-//           dtype (Gp in {1, G}; rank 4 is Gp = 1), block_table (G, B, M) s32, lengths (G, B) s32
+//           dtype (Gp in {1, G}), block_table (G, B, M) s32, lengths (G, B) s32
 //     rets  out (G, B, Tq, N, H) in query's dtype, workspace (W,) f32
 //           (W = PagedAttentionWorkspaceSize: 0 with one split)
 //     attrs scale f32 > 0, softcap f32 (0: none), window_left s32 (-1: none),
 //           num_splits s32 in [1, 1024]
+//   jaxgpu_paged_attention_q8_fwd: the 8-bit cache
+//     args  query, k_pages, v_pages (Gp, P, S, K, H) s8|f8e4m3fn (one dtype),
+//           k_scale, v_scale (Gp, P, S, K) f32, block_table, lengths
+//     rets, attrs as jaxgpu_paged_attention_fwd
 //   jaxgpu_paged_kv_update_fwd
-//     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, or (P, S, K, H) when G = 1,
-//           k_new, v_new (G, B, Tn, K, H) same dtype, block_table (G, B, M) s32,
-//           positions (G, B, Tn) s32
+//     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, k_new, v_new (G, B, Tn, K, H)
+//           same dtype, block_table (G, B, M) s32, positions (G, B, Tn) s32
 //     rets  k_pages, v_pages: the caches, aliased to the first two arguments
-// An 8-bit cache will add its scales as further arguments and its element types to the
-// pages' accepted set; the attributes stay.
+//   jaxgpu_paged_kv_update_q8_fwd: quantizes the new tokens into an 8-bit cache
+//     args  k_pages, v_pages (G, P, S, K, H) s8|f8e4m3fn (one dtype), k_scale, v_scale
+//           (G, P, S, K) f32, k_new, v_new (G, B, Tn, K, H) f32|bf16|f16, block_table,
+//           positions
+//     rets  k_pages, v_pages, k_scale, v_scale: aliased to the first four arguments
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 
 #include "common/ffi_checks.h"
@@ -41,6 +48,21 @@ namespace jaxgpu {
       .Attr<int32_t>("window_left") /* window_left */ \
       .Attr<int32_t>("num_splits")  /* num_splits */
 
+#define JAXGPU_PAGED_ATTENTION_Q8_FWD_BINDING(BIND)   \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* query */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_scale */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_scale */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* out */         \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
+      .Attr<float>("scale")         /* scale */       \
+      .Attr<float>("softcap")       /* softcap */     \
+      .Attr<int32_t>("window_left") /* window_left */ \
+      .Attr<int32_t>("num_splits")  /* num_splits */
+
 #define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
   BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
       .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
@@ -50,6 +72,20 @@ namespace jaxgpu {
       .Arg<::xla::ffi::AnyBuffer>() /* positions */   \
       .Ret<::xla::ffi::AnyBuffer>() /* k_pages */     \
       .Ret<::xla::ffi::AnyBuffer>() /* v_pages */
+
+#define JAXGPU_PAGED_KV_UPDATE_Q8_FWD_BINDING(BIND)   \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_scale */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_scale */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_new */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_new */       \
+      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* positions */   \
+      .Ret<::xla::ffi::AnyBuffer>() /* k_pages */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* v_pages */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* k_scale */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* v_scale */
 
 namespace decode_detail {
 
@@ -66,21 +102,24 @@ ffi::Error Rank(const Buf& buf, size_t rank, const char* name, const char* shape
   return ffi::Error::Success();
 }
 
-// Pages (groups, P, S, K, H) of `dtype`, S a positive multiple of 8, H a multiple of 8 in
-// [8, 256].
-inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const char* name,
-                             int64_t* groups, int64_t* num_pages, int64_t* page_size,
-                             int64_t* kv_heads, int64_t* head_dim) {
-  // Rank 4 is one group: an unbatched pool reaches the update's FFI call without the
-  // reshape that adds a unit group dim, which would keep XLA from aliasing a donated pool
-  // to the result (it copies a buffer around a bitcast feeding an in-place custom call).
+// The element types of an 8-bit cache's pages.
+constexpr DTypeSet kQ8DTypes = DTypeBit(DType::kS8) | DTypeBit(DType::kF8E4M3);
+
+// Pages (groups, P, S, K, H) of `dtype` (one of `accepted`), S a positive multiple of 8, H
+// a multiple of 8 in [8, 256]. Rank 4 (P, S, K, H) is one group: an unbatched pool reaches
+// the update's FFI call without the reshape that adds a unit group dim, which would keep
+// XLA from aliasing a donated pool to the result (it copies a buffer around a bitcast that
+// feeds an in-place custom call).
+inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DTypeSet accepted, DType dtype,
+                             const char* name, int64_t* groups, int64_t* num_pages,
+                             int64_t* page_size, int64_t* kv_heads, int64_t* head_dim) {
   const size_t rank = pages.dimensions().size();
   if (rank != 4 && rank != 5) {
     return ffi::Error::InvalidArgument(std::string(name) +
                                        ": expected rank 4 (P, S, K, H) or 5 (G, P, S, K, H)");
   }
   DType got;
-  JAXGPU_RETURN_IF_ERROR(CheckDType(pages, kFloatDTypes, name, &got));
+  JAXGPU_RETURN_IF_ERROR(CheckDType(pages, accepted, name, &got));
   if (got != dtype) {
     return ffi::Error::InvalidArgument(std::string(name) + ": dtype must be " + DTypeName(dtype) +
                                        ", got " + DTypeName(got));
@@ -104,6 +143,26 @@ inline ffi::Error CheckPages(const ffi::AnyBuffer& pages, DType dtype, const cha
   return ffi::Error::Success();
 }
 
+// An 8-bit cache's scales: float32 (groups, P, S, K), the pages' shape without H (rank 3
+// for rank-4 pages).
+template <typename Buf>
+ffi::Error CheckScales(const Buf& scales, const ffi::AnyBuffer& pages, const char* name) {
+  const auto d = pages.dimensions();
+  const auto s = scales.dimensions();
+  bool same = s.size() + 1 == d.size();
+  int64_t count = 1;
+  for (size_t i = 0; same && i < s.size(); ++i) {
+    same = s[i] == d[i];
+    count *= s[i];
+  }
+  if (!same) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": must have the pages' shape (G, P, S, K) without H");
+  }
+  return CheckBuffer(scales, ffi::DataType::F32, count, name);
+}
+
+// `buf` has exactly the shape of `like` (any rank).
 inline ffi::Error SameShape(const ffi::AnyBuffer& buf, const ffi::AnyBuffer& like,
                             const char* name) {
   auto a = buf.dimensions();
@@ -116,14 +175,19 @@ inline ffi::Error SameShape(const ffi::AnyBuffer& buf, const ffi::AnyBuffer& lik
 
 }  // namespace decode_detail
 
-inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer k_pages,
-                                           ffi::AnyBuffer v_pages, ffi::AnyBuffer block_table,
-                                           ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
-                                           ffi::Result<ffi::AnyBuffer> workspace, float scale,
-                                           float softcap, int32_t window_left, int32_t num_splits,
-                                           PagedAttentionParams* p) {
+// k_scale and v_scale are null for a 16-bit or float32 cache (pages in query's dtype) and
+// set for an 8-bit one (pages of one kQ8DTypes type).
+inline ffi::Error MakePagedAttentionParams(
+    ffi::AnyBuffer query, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+    const ffi::AnyBuffer* k_scale, const ffi::AnyBuffer* v_scale, ffi::AnyBuffer block_table,
+    ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+    float scale, float softcap, int32_t window_left, int32_t num_splits, PagedAttentionParams* p) {
   using namespace decode_detail;
   *p = PagedAttentionParams{};
+  const bool q8 = k_scale != nullptr;
+  if (q8 != (v_scale != nullptr)) {
+    return ffi::Error::InvalidArgument("k_scale, v_scale: both or neither");
+  }
   JAXGPU_RETURN_IF_ERROR(Rank(query, 5, "query", "(G, B, Tq, N, H)"));
   JAXGPU_RETURN_IF_ERROR(CheckDType(query, kFloatDTypes, "query", &p->dtype));
   auto q = query.dimensions();
@@ -132,10 +196,13 @@ inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer 
   p->q_len = q[2];
   p->heads = q[3];
   int64_t kv_groups, v_groups, v_pages_n, v_page_size, v_kv, v_h;
-  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, p->dtype, "k_pages", &p->page_groups, &p->num_pages,
-                                    &p->page_size, &p->kv_heads, &p->head_dim));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckPages(v_pages, p->dtype, "v_pages", &v_groups, &v_pages_n, &v_page_size, &v_kv, &v_h));
+  const DTypeSet accepted = q8 ? kQ8DTypes : DTypeBit(p->dtype);
+  const std::optional<DType> kv_dtype = DTypeOf(k_pages.element_type());
+  p->kv_dtype = q8 && kv_dtype ? *kv_dtype : p->dtype;
+  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, accepted, p->kv_dtype, "k_pages", &p->page_groups,
+                                    &p->num_pages, &p->page_size, &p->kv_heads, &p->head_dim));
+  JAXGPU_RETURN_IF_ERROR(CheckPages(v_pages, accepted, p->kv_dtype, "v_pages", &v_groups,
+                                    &v_pages_n, &v_page_size, &v_kv, &v_h));
   kv_groups = p->page_groups;
   if (v_groups != kv_groups || v_pages_n != p->num_pages || v_page_size != p->page_size ||
       v_kv != p->kv_heads || v_h != p->head_dim) {
@@ -143,6 +210,12 @@ inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer 
   }
   if (kv_groups != 1 && kv_groups != p->groups) {
     return ffi::Error::InvalidArgument("k_pages: the group dim must be 1 or the query's");
+  }
+  if (q8) {
+    JAXGPU_RETURN_IF_ERROR(CheckScales(*k_scale, k_pages, "k_scale"));
+    JAXGPU_RETURN_IF_ERROR(CheckScales(*v_scale, k_pages, "v_scale"));
+    p->k_scale = static_cast<const float*>(k_scale->untyped_data());
+    p->v_scale = static_cast<const float*>(v_scale->untyped_data());
   }
   if (q[4] != p->head_dim) {
     return ffi::Error::InvalidArgument("query: the head dim must be the pages'");
@@ -179,7 +252,6 @@ inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer 
   p->num_splits = num_splits;
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(workspace, ffi::DataType::F32, PagedAttentionWorkspaceSize(*p), "workspace"));
-  p->kv_dtype = p->dtype;
   p->query = query.untyped_data();
   p->k_pages = k_pages.untyped_data();
   p->v_pages = v_pages.untyped_data();
@@ -193,31 +265,38 @@ inline ffi::Error MakePagedAttentionParams(ffi::AnyBuffer query, ffi::AnyBuffer 
   return ffi::Error::Success();
 }
 
-inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
-                                          ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
-                                          ffi::AnyBuffer block_table, ffi::AnyBuffer positions,
-                                          ffi::Result<ffi::AnyBuffer> k_out,
-                                          ffi::Result<ffi::AnyBuffer> v_out,
-                                          PagedKvUpdateParams* p) {
+// k_scale .. v_scale_out are null for a 16-bit or float32 cache (pages in the new tokens'
+// dtype) and set for an 8-bit one (pages of one kQ8DTypes type, the new tokens float).
+inline ffi::Error MakePagedKvUpdateParams(
+    ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, const ffi::AnyBuffer* k_scale,
+    const ffi::AnyBuffer* v_scale, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new,
+    ffi::AnyBuffer block_table, ffi::AnyBuffer positions, ffi::Result<ffi::AnyBuffer> k_out,
+    ffi::Result<ffi::AnyBuffer> v_out, ffi::Result<ffi::AnyBuffer>* k_scale_out,
+    ffi::Result<ffi::AnyBuffer>* v_scale_out, PagedKvUpdateParams* p) {
   using namespace decode_detail;
   *p = PagedKvUpdateParams{};
-  JAXGPU_RETURN_IF_ERROR(CheckDType(k_pages, kFloatDTypes, "k_pages", &p->dtype));
-  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, p->dtype, "k_pages", &p->groups, &p->num_pages,
-                                    &p->page_size, &p->kv_heads, &p->head_dim));
+  const bool q8 = k_scale != nullptr;
+  if (q8 != (v_scale != nullptr) || q8 != (k_scale_out != nullptr) ||
+      q8 != (v_scale_out != nullptr)) {
+    return ffi::Error::InvalidArgument("k_scale, v_scale: both or neither, as their results");
+  }
+  JAXGPU_RETURN_IF_ERROR(Rank(k_new, 5, "k_new", "(G, B, Tn, K, H)"));
+  JAXGPU_RETURN_IF_ERROR(CheckDType(k_new, kFloatDTypes, "k_new", &p->dtype));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckDType(k_pages, q8 ? kQ8DTypes : DTypeBit(p->dtype), "k_pages", &p->kv_dtype));
+  JAXGPU_RETURN_IF_ERROR(CheckPages(k_pages, DTypeBit(p->kv_dtype), p->kv_dtype, "k_pages",
+                                    &p->groups, &p->num_pages, &p->page_size, &p->kv_heads,
+                                    &p->head_dim));
   JAXGPU_RETURN_IF_ERROR(SameShape(v_pages, k_pages, "v_pages"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_pages, k_pages.element_type(), k_pages.element_count(), "v_pages"));
-  JAXGPU_RETURN_IF_ERROR(Rank(k_new, 5, "k_new", "(G, B, Tn, K, H)"));
   p->batch = k_new.dimensions()[1];
   p->new_len = k_new.dimensions()[2];
   JAXGPU_RETURN_IF_ERROR(
       CheckDims(k_new, {p->groups, p->batch, p->new_len, p->kv_heads, p->head_dim}, "k_new"));
   JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(k_new, k_pages.element_type(), k_new.element_count(), "k_new"));
-  JAXGPU_RETURN_IF_ERROR(
       CheckDims(v_new, {p->groups, p->batch, p->new_len, p->kv_heads, p->head_dim}, "v_new"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(v_new, k_pages.element_type(), k_new.element_count(), "v_new"));
+  JAXGPU_RETURN_IF_ERROR(CheckBuffer(v_new, k_new.element_type(), k_new.element_count(), "v_new"));
   JAXGPU_RETURN_IF_ERROR(Rank(block_table, 3, "block_table", "(G, B, M)"));
   p->max_pages = block_table.dimensions()[2];
   JAXGPU_RETURN_IF_ERROR(
@@ -233,7 +312,16 @@ inline ffi::Error MakePagedKvUpdateParams(ffi::AnyBuffer k_pages, ffi::AnyBuffer
   JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
-  p->kv_dtype = p->dtype;
+  if (q8) {
+    JAXGPU_RETURN_IF_ERROR(CheckScales(*k_scale, k_pages, "k_scale"));
+    JAXGPU_RETURN_IF_ERROR(CheckScales(*v_scale, k_pages, "v_scale"));
+    JAXGPU_RETURN_IF_ERROR(CheckScales(**k_scale_out, k_pages, "k_scale (result)"));
+    JAXGPU_RETURN_IF_ERROR(CheckScales(**v_scale_out, k_pages, "v_scale (result)"));
+    p->k_scale_in = static_cast<const float*>(k_scale->untyped_data());
+    p->v_scale_in = static_cast<const float*>(v_scale->untyped_data());
+    p->k_scale = static_cast<float*>((*k_scale_out)->untyped_data());
+    p->v_scale = static_cast<float*>((*v_scale_out)->untyped_data());
+  }
   p->k_pages_in = k_pages.untyped_data();
   p->v_pages_in = v_pages.untyped_data();
   p->k_pages = k_out->untyped_data();

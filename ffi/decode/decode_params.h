@@ -36,8 +36,10 @@ namespace jaxgpu {
 // k_pages[g, p, s, k, h] is float(k_pages[g, p, s, k, h]) * k_scale[g, p, s, k]. A 16-bit
 // or float32 cache has kv_dtype == dtype and null scales. The update quantizes each new
 // token's K (and V) row of one kv head with scale = max|row| / Qmax (Qmax 127 for int8,
-// 448 for e4m3; scale 0 for an all-zero row): int8 rounds half to even and clamps to
-// [-127, 127], e4m3 rounds to nearest even and saturates at 448.
+// 448 for e4m3; scale 0 for an all-zero row) and values row / scale, both IEEE float32
+// divisions (a multiply by a reciprocal rounds differently), zeros where the scale is 0:
+// int8 rounds half to even and clamps to [-127, 127], e4m3 rounds to nearest even and
+// saturates at 448. The CPU and CUDA updates and jaxgpu.quantize_kv agree bit for bit.
 struct PagedAttentionParams {
   DType dtype;     // of query and out
   DType kv_dtype;  // of the pages: dtype, or kS8 / kF8E4M3 with scales
@@ -113,6 +115,12 @@ struct PagedKvUpdateParams {
 // Bytes of one page pool (both caches have this size).
 inline int64_t PagedKvPoolBytes(const PagedKvUpdateParams& p) {
   return DTypeBytes(p.kv_dtype, p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
+}
+
+// Bytes of one 8-bit cache's scales (0 without scales).
+inline int64_t PagedKvScaleBytes(const PagedKvUpdateParams& p) {
+  if (p.k_scale == nullptr) return 0;
+  return int64_t(sizeof(float)) * p.groups * p.num_pages * p.page_size * p.kv_heads;
 }
 
 }  // namespace jaxgpu

@@ -1,12 +1,18 @@
 """Decode attention over a paged KV cache, and the in-place cache update; forward only.
 
-Kernels: ffi/decode/ (targets jaxgpu_paged_attention_fwd, jaxgpu_paged_kv_update_fwd).
+Kernels: ffi/decode/ (targets jaxgpu_paged_attention_fwd, jaxgpu_paged_kv_update_fwd, and
+their 8-bit cache twins jaxgpu_paged_attention_q8_fwd, jaxgpu_paged_kv_update_q8_fwd).
 Reference: jaxgpu/reference/decode.py. Tests: tests/test_decode.py.
 
 The cache is a pool of pages (P, page_size, K, H) shared by every row of the batch; a row
 names its pages in its block-table row, so rows of different lengths share one pool and
 rows may share prefix pages. paged_attention reads each row's pages through the table (no
 gathered copy); paged_kv_update writes new tokens into their slots in place.
+
+8-bit cache: int8 or float8_e4m3fn pages with float32 scales (P, page_size, K), one per
+token and kv head (jaxgpu.quantize_kv's rule): half the bytes of a bf16 cache, plus 4 bytes
+per token and kv head. The ops take the scales as k_scale and v_scale and call the _q8
+targets, whose arguments are the 16-bit ones' with the scales after the pages.
 
 Memory. paged_attention writes its output and, when it splits a row's cache over several
 thread blocks (split-KV, so that a small batch fills the GPU), a float32 workspace of
@@ -32,9 +38,12 @@ from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call
 from jaxgpu.reference import decode as reference
 
-PAGED_ATTENTION = Op("paged_attention", {"fwd": "jaxgpu_paged_attention_fwd"},
+# Pass 'fwd_q8': the forward over an 8-bit cache, a target of its own (other arguments).
+PAGED_ATTENTION = Op("paged_attention", {"fwd": "jaxgpu_paged_attention_fwd",
+                                         "fwd_q8": "jaxgpu_paged_attention_q8_fwd"},
                      differentiable=False)
-PAGED_KV_UPDATE = Op("paged_kv_update", {"fwd": "jaxgpu_paged_kv_update_fwd"},
+PAGED_KV_UPDATE = Op("paged_kv_update", {"fwd": "jaxgpu_paged_kv_update_fwd",
+                                         "fwd_q8": "jaxgpu_paged_kv_update_q8_fwd"},
                      differentiable=False)
 FAMILY = Family("decode", (PAGED_ATTENTION, PAGED_KV_UPDATE))
 
@@ -61,9 +70,13 @@ _Q = "g b t k h"          # query, output: (G, B, Tq, N, H)
 _POOL = "[g] p s k h"     # k_pages, v_pages: shared by every group unless vmapped
 _TABLE = "g b m"          # block_table (G, B, M)
 _LENGTHS = "g b"          # lengths (G, B)
+_POOL_SCALES = "[g] p s k"  # an 8-bit cache's k_scale, v_scale: the pages' layout without h
 _ATTENTION_LAYOUT = Layout(inputs=(_Q, _POOL, _POOL, _TABLE, _LENGTHS), outputs=(_Q,),
                            replicated=frozenset({"p", "s", "m", "h"}),
                            blocked=frozenset({"k"}))
+_ATTENTION_Q8_LAYOUT = Layout(
+    inputs=(_Q, _POOL, _POOL, _POOL_SCALES, _POOL_SCALES, _TABLE, _LENGTHS), outputs=(_Q,),
+    replicated=frozenset({"p", "s", "m", "h"}), blocked=frozenset({"k"}))
 
 _CACHE = "g p s k h"      # k_pages, v_pages, aliased to the outputs
 _NEW = "g b t k h"        # k_new, v_new (G, B, Tn, K, H)
@@ -74,6 +87,11 @@ _UPDATE_LAYOUT = Layout(inputs=(_CACHE, _CACHE, _NEW, _NEW, _TABLE, _POSITIONS),
                         outputs=(_CACHE, _CACHE),
                         replicated=frozenset({"p", "s", "m", "b", "t", "h"}),
                         aliases={0: 0, 1: 1})
+_CACHE_SCALES = "g p s k"  # k_scale, v_scale, aliased to the outputs
+_UPDATE_Q8_LAYOUT = Layout(
+    inputs=(_CACHE, _CACHE, _CACHE_SCALES, _CACHE_SCALES, _NEW, _NEW, _TABLE, _POSITIONS),
+    outputs=(_CACHE, _CACHE, _CACHE_SCALES, _CACHE_SCALES),
+    replicated=frozenset({"p", "s", "m", "b", "t", "h"}), aliases={0: 0, 1: 1, 2: 2, 3: 3})
 
 
 def num_splits(rows: int, max_pages: int) -> int:
@@ -111,40 +129,60 @@ class _AttentionConfig:
                 num_splits=np.int32(splits))
 
 
-def _attention_call(cfg: _AttentionConfig, query, k_pages, v_pages, block_table, lengths):
-  """Grouped arrays in (see the layouts); the grouped output out."""
+def _attention_call(cfg: _AttentionConfig, query, k_pages, v_pages, k_scale, v_scale,
+                    block_table, lengths):
+  """Grouped arrays in (see the layouts; the scales None for a 16-bit cache); the grouped
+  output out."""
 
-  def local_fn(q, kp, vp, table, lens):
+  def local_fn(q, kp, vp, *rest):
     g, b, tq, n, h = q.shape
     kv = kp.shape[3]
+    table = rest[-2]
     splits, work = workspace_size(g, b, kv, tq, n, h, table.shape[2])
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((work,), jnp.float32))
-    target = PAGED_ATTENTION.target("fwd", cfg.implementation)
-    out, _ = jax.ffi.ffi_call(target, outs)(q, kp, vp, table, lens, **cfg.attrs(splits))
+    target = PAGED_ATTENTION.target("fwd" if len(rest) == 2 else "fwd_q8", cfg.implementation)
+    out, _ = jax.ffi.ffi_call(target, outs)(q, kp, vp, *rest, **cfg.attrs(splits))
     return (out,)
 
-  (out,) = grouped_call(local_fn, _ATTENTION_LAYOUT, query, k_pages, v_pages, block_table,
-                        lengths)
+  if k_scale is None:
+    (out,) = grouped_call(local_fn, _ATTENTION_LAYOUT, query, k_pages, v_pages, block_table,
+                          lengths)
+  else:
+    (out,) = grouped_call(local_fn, _ATTENTION_Q8_LAYOUT, query, k_pages, v_pages, k_scale,
+                          v_scale, block_table, lengths)
   return out
 
 
-def _update_call(implementation, k_pages, v_pages, k_new, v_new, block_table, positions):
-  def local_fn(kp, vp, kn, vn, table, pos):
-    shape = kp.shape
-    if shape[0] == 1:
-      # One group: the pools go to the kernel as (P, S, K, H), so that this reshape cancels
-      # the caller's [None] and the custom call gets the donated buffer itself. Between a
-      # bitcast and an in-place custom call XLA copies the buffer (on the way in and out),
-      # which would cost two copies of the cache per update.
-      kp, vp = kp.reshape(shape[1:]), vp.reshape(shape[1:])
-    outs = (jax.ShapeDtypeStruct(kp.shape, kp.dtype), jax.ShapeDtypeStruct(vp.shape, vp.dtype))
-    target = PAGED_KV_UPDATE.target("fwd", implementation)
-    k, v = jax.ffi.ffi_call(target, outs, input_output_aliases={0: 0, 1: 1})(
-        kp, vp, kn, vn, table, pos)
-    return k.reshape(shape), v.reshape(shape)
+def _update_call(implementation, k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table,
+                 positions):
+  """Grouped arrays in (the scales None for a 16-bit cache); the grouped caches out."""
 
-  return grouped_call(local_fn, _UPDATE_LAYOUT, k_pages, v_pages, k_new, v_new, block_table,
-                      positions)
+  def local_fn(*args):
+    caches, rest = args[:len(args) - 4], args[len(args) - 4:]  # the pages, then any scales
+    shapes = [c.shape for c in caches]
+    if shapes[0][0] == 1:
+      # One group: the caches go to the kernel without it ((P, S, K, H) pages, (P, S, K)
+      # scales), so that this reshape cancels the caller's [None] and the custom call gets
+      # the donated buffers themselves. Between a bitcast and an in-place custom call XLA
+      # copies the buffer (on the way in and out): two copies of the cache per update.
+      caches = tuple(c.reshape(c.shape[1:]) for c in caches)
+    outs = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
+    target = PAGED_KV_UPDATE.target("fwd" if len(caches) == 2 else "fwd_q8", implementation)
+    results = jax.ffi.ffi_call(target, outs,
+                               input_output_aliases={i: i for i in range(len(caches))})(
+                                   *caches, *rest)
+    return tuple(r.reshape(shape) for r, shape in zip(results, shapes))
+
+  if k_scale is None:
+    return grouped_call(local_fn, _UPDATE_LAYOUT, k_pages, v_pages, k_new, v_new, block_table,
+                        positions)
+  return grouped_call(local_fn, _UPDATE_Q8_LAYOUT, k_pages, v_pages, k_scale, v_scale, k_new,
+                      v_new, block_table, positions)
+
+
+def _grouped(x):
+  """x with a group axis of 1 (None stays None)."""
+  return None if x is None else x[None]
 
 
 # ---- forward only ------------------------------------------------------------------------
@@ -162,25 +200,29 @@ def _refuse_grad(name: str):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _paged_attention(cfg: _AttentionConfig, query, k_pages, v_pages, block_table, lengths):
+def _paged_attention(cfg: _AttentionConfig, query, k_pages, v_pages, k_scale, v_scale,
+                     block_table, lengths):
   if cfg.implementation == "xla":
     return reference.paged_attention(query, k_pages, v_pages, block_table, lengths,
                                      scale=cfg.scale, logit_softcap=cfg.softcap,
-                                     local_window_size=cfg.window)
-  return _attention_call(cfg, query[None], k_pages[None], v_pages[None], block_table[None],
-                         lengths[None])[0]
+                                     local_window_size=cfg.window, k_scale=k_scale,
+                                     v_scale=v_scale)
+  return _attention_call(cfg, *map(_grouped, (query, k_pages, v_pages, k_scale, v_scale,
+                                              block_table, lengths)))[0]
 
 
 _paged_attention.defvjp(*_refuse_grad("paged_attention"))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _paged_kv_update(implementation, k_pages, v_pages, k_new, v_new, block_table, positions):
+def _paged_kv_update(implementation, k_pages, v_pages, k_scale, v_scale, k_new, v_new,
+                     block_table, positions):
   if implementation == "xla":
-    return reference.paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions)
-  k, v = _update_call(implementation, k_pages[None], v_pages[None], k_new[None], v_new[None],
-                      block_table[None], positions[None])
-  return k[0], v[0]
+    return reference.paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions,
+                                     k_scale=k_scale, v_scale=v_scale)
+  out = _update_call(implementation, *map(_grouped, (k_pages, v_pages, k_scale, v_scale, k_new,
+                                                     v_new, block_table, positions)))
+  return tuple(x[0] for x in out)
 
 
 _paged_kv_update.defvjp(*_refuse_grad("paged_kv_update"))
@@ -204,17 +246,21 @@ def _int32_array(op: str, name: str, value, shape: tuple, what: str):
   return x
 
 
-def _check_pages(op: str, k_pages, v_pages, head_dim: int | None, dtype):
-  k_pages = _checks.float_array(op, "k_pages", k_pages)
+def _check_pages(op: str, k_pages, v_pages, k_scale, v_scale, head_dim: int | None, dtype):
+  """The pages, and an 8-bit cache's scales (None for a 16-bit or float32 cache). `dtype`:
+  what a 16-bit or float32 cache's pages must be (None: any)."""
+  k_pages = _checks.float_array(op, "k_pages", k_pages,
+                                _checks.FLOAT_DTYPES + reference.Q8_DTYPES)
   if k_pages.ndim != 4:
     raise ValueError(f"{op}: k_pages must have rank 4 (P, page_size, K, H), got shape "
                      f"{tuple(k_pages.shape)}")
-  v_pages = _checks.float_array(op, "v_pages", v_pages)
+  v_pages = _checks.as_array(op, "v_pages", v_pages)
   _checks.shape_is(op, "v_pages", v_pages, k_pages.shape, "the shape of k_pages")
   _checks.same_dtype(op, "v_pages", v_pages, "k_pages", k_pages)
-  if dtype is not None and k_pages.dtype != dtype:
-    raise TypeError(f"{op}: k_pages must have the dtype of the query ({dtype}), got "
-                    f"{k_pages.dtype}")
+  q8 = k_pages.dtype in reference.Q8_DTYPES
+  if not q8 and dtype is not None and k_pages.dtype != dtype:
+    raise TypeError(f"{op}: k_pages must have the dtype of the query ({dtype}) or be an 8-bit "
+                    f"cache (int8 or float8_e4m3fn), got {k_pages.dtype}")
   _, page_size, kv, h = k_pages.shape
   if page_size < PAGE_SIZE_MULTIPLE or page_size % PAGE_SIZE_MULTIPLE:
     raise ValueError(f"{op}: k_pages' page size (dim 1) must be a positive multiple of "
@@ -227,7 +273,24 @@ def _check_pages(op: str, k_pages, v_pages, head_dim: int | None, dtype):
   if not (1 <= h <= MAX_HEAD_DIM and h % HEAD_DIM_MULTIPLE == 0):
     raise ValueError(f"{op}: the head dim must be a multiple of {HEAD_DIM_MULTIPLE} in "
                      f"[8, {MAX_HEAD_DIM}], got {h}")
-  return k_pages, v_pages
+  scales = {"k_scale": k_scale, "v_scale": v_scale}
+  if not q8:
+    for name, sc in scales.items():
+      if sc is not None:
+        raise TypeError(f"{op}: {name} is only for an 8-bit cache (int8 or float8_e4m3fn "
+                        f"pages); these pages are {k_pages.dtype}")
+    return k_pages, v_pages, None, None
+  for name, sc in scales.items():
+    if sc is None:
+      raise TypeError(f"{op}: {name} is required with an 8-bit cache ({k_pages.dtype} "
+                      "pages): float32 (P, page_size, K), one scale per token and kv head")
+    sc = _checks.as_array(op, name, sc)
+    if sc.dtype != jnp.float32:
+      raise TypeError(f"{op}: {name} must have dtype float32, got {sc.dtype}")
+    _checks.shape_is(op, name, sc, k_pages.shape[:3], "(P, page_size, K), the pages' shape "
+                     "without H")
+    scales[name] = sc
+  return k_pages, v_pages, scales["k_scale"], scales["v_scale"]
 
 
 def _concrete(x):
@@ -280,8 +343,8 @@ def _check_block_table(op, block_table, b: int):
                       "(B, max_pages)")
 
 
-def _check_attention(op, query, k_pages, v_pages, block_table, lengths, scale, logit_softcap,
-                     local_window_size):
+def _check_attention(op, query, k_pages, v_pages, k_scale, v_scale, block_table, lengths, scale,
+                     logit_softcap, local_window_size):
   query = _checks.float_array(op, "query", query)
   if query.ndim != 4:
     raise ValueError(f"{op}: query must have rank 4 (B, Tq, N, H), got shape "
@@ -290,7 +353,8 @@ def _check_attention(op, query, k_pages, v_pages, block_table, lengths, scale, l
   if not 1 <= tq <= MAX_Q_LEN:
     raise ValueError(f"{op}: query's Tq (dim 1, the new tokens) must be in [1, {MAX_Q_LEN}], "
                      f"got {tq}")
-  k_pages, v_pages = _check_pages(op, k_pages, v_pages, h, query.dtype)
+  k_pages, v_pages, k_scale, v_scale = _check_pages(op, k_pages, v_pages, k_scale, v_scale, h,
+                                                    query.dtype)
   num_pages, page_size, kv, _ = k_pages.shape
   if n % kv:
     raise ValueError(f"{op}: query's heads ({n}) must be a multiple of the kv heads ({kv})")
@@ -313,11 +377,12 @@ def _check_attention(op, query, k_pages, v_pages, block_table, lengths, scale, l
   if logit_softcap is not None:
     softcap = _checks.positive_finite(op, "logit_softcap", logit_softcap)
   window = _check_window(op, local_window_size)
-  return query, k_pages, v_pages, block_table, lengths, scale, softcap, window
+  return query, k_pages, v_pages, k_scale, v_scale, block_table, lengths, scale, softcap, window
 
 
-def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions):
-  k_pages, v_pages = _check_pages(op, k_pages, v_pages, None, None)
+def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions, k_scale, v_scale):
+  k_pages, v_pages, k_scale, v_scale = _check_pages(op, k_pages, v_pages, k_scale, v_scale,
+                                                    None, None)
   num_pages, page_size, kv, h = k_pages.shape
   k_new = _checks.float_array(op, "k_new", k_new)
   if k_new.ndim != 4:
@@ -325,10 +390,11 @@ def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions):
                      f"{tuple(k_new.shape)}")
   b, tn = k_new.shape[:2]
   _checks.shape_is(op, "k_new", k_new, (b, tn, kv, h), "(B, Tn) and the pages' (K, H)")
-  _checks.same_dtype(op, "k_new", k_new, "k_pages", k_pages)
+  if k_scale is None:
+    _checks.same_dtype(op, "k_new", k_new, "k_pages", k_pages)
   v_new = _checks.float_array(op, "v_new", v_new)
   _checks.shape_is(op, "v_new", v_new, k_new.shape, "the shape of k_new")
-  _checks.same_dtype(op, "v_new", v_new, "k_pages", k_pages)
+  _checks.same_dtype(op, "v_new", v_new, "k_new", k_new)
   block_table = _check_block_table(op, block_table, b)
   max_pages = block_table.shape[1]
   positions = _int32_array(op, "positions", positions, (b, tn), "(B, Tn), as k_new")
@@ -348,21 +414,23 @@ def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions):
         raise ValueError(f"{op}: block_table entries of the pages written must be in [0, "
                          f"{num_pages}); position {int(pos[i])} at {tuple(map(int, i))} "
                          f"maps to page {int(page[i])}")
-  return k_pages, v_pages, k_new, v_new, block_table, positions
+  return k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table, positions
 
 
 # ---- public API ---------------------------------------------------------------------------
 
 
 def paged_attention(query, k_pages, v_pages, block_table, lengths, *, scale=None,
-                    logit_softcap=None, local_window_size=None, implementation=None):
+                    logit_softcap=None, local_window_size=None, k_scale=None, v_scale=None,
+                    implementation=None):
   """Attention of a few new tokens per row over a paged KV cache (decoding).
 
   Args:
     query: (B, Tq, N, H) bfloat16, float16 or float32: the new tokens' queries, 1 <= Tq
       <= 16 (one token, speculative decoding, small prefill chunks). H a multiple of 8, at
       most 256.
-    k_pages, v_pages: (P, page_size, K, H) in the query's dtype: the page pool, page_size a
+    k_pages, v_pages: (P, page_size, K, H) in the query's dtype, or an 8-bit cache (int8
+      or float8_e4m3fn, both alike) with k_scale and v_scale: the page pool, page_size a
       multiple of 8, N a multiple of K (MHA, GQA, MQA: query head n reads kv head
       n // (N // K)).
     block_table: (B, max_pages) int32: page j of row b is block_table[b, j], holding
@@ -376,11 +444,14 @@ def paged_attention(query, k_pages, v_pages, block_table, lengths, *, scale=None
     logit_softcap: None, or c > 0: logits c * tanh(logits / c) (Gemma 2).
     local_window_size: None, or w >= 0 (or the pair (w, 0)): a query at position p sees
       keys p - w .. p (jax.nn.dot_product_attention's (w, 0)).
+    k_scale, v_scale: (P, page_size, K) float32, required with an 8-bit cache and refused
+      otherwise: the key at slot s of page p, kv head k, is float(k_pages[p, s, k]) *
+      k_scale[p, s, k] (likewise V). paged_kv_update and jaxgpu.quantize_kv write them.
     implementation: None (the FFI kernel of the platform), 'cuda', 'cpu', or 'xla'.
 
   Returns:
-    (B, Tq, N, H) in the query's dtype. A query that sees no key (a row of length 0, or
-    length < Tq for the first new tokens) gets zeros.
+    (B, Tq, N, H) in the query's dtype (also with an 8-bit cache). A query that sees no
+    key (a row of length 0, or length < Tq for the first new tokens) gets zeros.
 
   Bad input: concrete lengths outside [0, max_pages * page_size] and concrete table
   entries of pages in use outside [0, P) raise ValueError. Traced ones cannot be checked,
@@ -397,35 +468,42 @@ def paged_attention(query, k_pages, v_pages, block_table, lengths, *, scale=None
   gathered if sharded). Not differentiable: jax.grad raises ValueError.
   """
   op = "paged_attention"
-  query, k_pages, v_pages, block_table, lengths, scale, softcap, window = _check_attention(
-      op, query, k_pages, v_pages, block_table, lengths, scale, logit_softcap,
-      local_window_size)
+  (query, k_pages, v_pages, k_scale, v_scale, block_table, lengths, scale, softcap,
+   window) = _check_attention(op, query, k_pages, v_pages, k_scale, v_scale, block_table,
+                              lengths, scale, logit_softcap, local_window_size)
   impl = _implementation.resolve(implementation)
   if (impl != "xla" and (query.size == 0 or k_pages.shape[0] == 0
                          or block_table.shape[1] == 0)):
     # No key can be seen: zeros, with the same refusal of jax.grad as any other call.
     impl = "xla"
   cfg = _AttentionConfig(impl, scale, softcap, window)
-  return _paged_attention(cfg, query, k_pages, v_pages, block_table, lengths)
+  return _paged_attention(cfg, query, k_pages, v_pages, k_scale, v_scale, block_table, lengths)
 
 
-def paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, *,
-                    implementation=None):
+def paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, *, k_scale=None,
+                    v_scale=None, implementation=None):
   """Writes new tokens' keys and values into their slots of the page pool, in place.
 
   Args:
-    k_pages, v_pages: (P, page_size, K, H) bfloat16, float16 or float32: the page pool.
-    k_new, v_new: (B, Tn, K, H) in the pages' dtype: the new tokens' keys and values.
+    k_pages, v_pages: (P, page_size, K, H) bfloat16, float16 or float32: the page pool; or
+      an 8-bit cache (int8 or float8_e4m3fn, both alike) with k_scale and v_scale.
+    k_new, v_new: (B, Tn, K, H) in the pages' dtype (an 8-bit cache: bfloat16, float16 or
+      float32, both alike): the new tokens' keys and values.
     block_table: (B, max_pages) int32, as for paged_attention.
     positions: (B, Tn) int32: each new token's absolute position in its row; a negative
       position skips the token (padding).
+    k_scale, v_scale: (P, page_size, K) float32, required with an 8-bit cache and refused
+      otherwise: its scales, one per token and kv head.
     implementation: None (the FFI kernel of the platform), 'cuda', 'cpu', or 'xla'.
 
   Returns:
-    (k_pages, v_pages) with token t of row b written at slot positions[b, t] % page_size
-    of page block_table[b, positions[b, t] // page_size]; every other slot unchanged.
+    (k_pages, v_pages), or (k_pages, v_pages, k_scale, v_scale) for an 8-bit cache, with
+    token t of row b written at slot positions[b, t] % page_size of page
+    block_table[b, positions[b, t] // page_size]; every other slot unchanged. An 8-bit
+    cache gets each new (token, kv head) row quantized by jaxgpu.quantize_kv's rule (the
+    CPU and CUDA kernels give its values and scales bit for bit).
 
-  In place: the caches are aliased to the outputs; under jax.jit with k_pages and v_pages
+  In place: the caches (and scales) are aliased to the outputs; under jax.jit with them
   donated (donate_argnums) the kernel writes into the donated buffers and no copy of the
   cache is made. Two tokens written to one slot (a page shared by two rows, repeated
   positions) leave either one's values there. Concrete positions >= max_pages * page_size,
@@ -435,9 +513,10 @@ def paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, *,
   collective. Not differentiable: jax.grad raises ValueError.
   """
   op = "paged_kv_update"
-  k_pages, v_pages, k_new, v_new, block_table, positions = _check_update(
-      op, k_pages, v_pages, k_new, v_new, block_table, positions)
+  k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table, positions = _check_update(
+      op, k_pages, v_pages, k_new, v_new, block_table, positions, k_scale, v_scale)
   impl = _implementation.resolve(implementation)
   if impl != "xla" and (k_new.size == 0 or k_pages.size == 0 or block_table.shape[1] == 0):
     impl = "xla"  # nothing to write
-  return _paged_kv_update(impl, k_pages, v_pages, k_new, v_new, block_table, positions)
+  return _paged_kv_update(impl, k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table,
+                          positions)

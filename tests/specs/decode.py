@@ -8,14 +8,21 @@ implementation under test):
   * `jnp_paged_attention`: the same in jnp (gather, masked softmax), in float32 for
     low-precision inputs (the 2x rule's budget) and float64 under oracle.x64() (the
     contract's oracle under vmap, sharding, shard_map and pmap);
-  * `np_kv_update` / `jnp_kv_update`: the scatter, exact in any precision.
+  * `np_kv_update` / `jnp_kv_update`: the scatter, exact in any precision;
+  * `np_quantize_kv` / `jnp_quantize_kv`: the 8-bit cache's quantization rule
+    (ffi/decode/decode_params.h), the e4m3 rounding done by hand (not by a cast), exact.
+
+An 8-bit cache (Case.kv_dtype int8 or float8_e4m3fn) adds k_scale and v_scale to the
+arrays; its specs (paged_attention[int8], ...) run every contract case the 16-bit ones do.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec as P
@@ -39,6 +46,7 @@ class Case:
   window: int | None = None
   shared_prefix: int = 1      # leading pages every row shares with row 0
   zero_row: bool = True       # one row of length 0 (when batch > 1)
+  kv_dtype: object = None     # int8 / float8_e4m3fn: an 8-bit cache; None: the dtype's
 
   @property
   def num_pages(self) -> int:
@@ -54,6 +62,8 @@ class Case:
       parts.append(f"cap{self.softcap:g}")
     if self.window is not None:
       parts.append(f"w{self.window}")
+    if self.kv_dtype is not None:
+      parts.append(jnp.dtype(self.kv_dtype).name)
     return "-".join(parts)
 
 
@@ -81,25 +91,43 @@ def make_lengths(rng, case: Case) -> np.ndarray:
   return lengths.astype(np.int32)
 
 
-def make_pages(rng, case: Case):
+def make_pages(rng, case: Case) -> dict:
+  """{k_pages, v_pages}, and for an 8-bit cache {k_scale, v_scale}: random rows of the
+  case's dtype quantized by the rule (np_quantize_kv), with a spread of row magnitudes."""
   shape = (case.num_pages, case.page_size, case.kv_heads, case.head_dim)
-  return oracle.randn(rng, shape, case.dtype), oracle.randn(rng, shape, case.dtype)
+  if case.kv_dtype is None:
+    return dict(k_pages=oracle.randn(rng, shape, case.dtype),
+                v_pages=oracle.randn(rng, shape, case.dtype))
+  out = {}
+  for name in ("k", "v"):
+    rows = oracle.randn(rng, shape, case.dtype) * jnp.asarray(
+        np.exp(rng.uniform(-2, 2, shape[:3] + (1,))), case.dtype)
+    values, scale = np_quantize_kv(np.asarray(rows), case.kv_dtype)
+    out[f"{name}_pages"] = jnp.asarray(values.astype(case.kv_dtype))
+    out[f"{name}_scale"] = jnp.asarray(scale.astype(np.float32))
+  return {k: out[k] for k in ("k_pages", "v_pages", "k_scale", "v_scale")}
+
+
+def _with_scales(arrays: dict, pages: dict) -> dict:
+  """arrays with an 8-bit cache's scales after them (the op's keyword order)."""
+  return {**arrays, **{k: v for k, v in pages.items() if k.endswith("_scale")}}
 
 
 def make_attention(rng, case: Case) -> C.Inputs:
   query = oracle.randn(rng, (case.batch, case.q_len, case.heads, case.head_dim), case.dtype,
                        float(rng.uniform(0.5, 2.0)))
-  k_pages, v_pages = make_pages(rng, case)
-  return C.Inputs(dict(query=query, k_pages=k_pages, v_pages=v_pages,
-                       block_table=jnp.asarray(make_table(rng, case)),
-                       lengths=jnp.asarray(make_lengths(rng, case))), case.static())
+  pages = make_pages(rng, case)
+  arrays = dict(query=query, k_pages=pages["k_pages"], v_pages=pages["v_pages"],
+                block_table=jnp.asarray(make_table(rng, case)),
+                lengths=jnp.asarray(make_lengths(rng, case)))
+  return C.Inputs(_with_scales(arrays, pages), case.static())
 
 
 def make_update(rng, case: Case) -> C.Inputs:
   """Each row owns its pages (no shared prefix: a shared page written by two rows would
   make the result depend on the order); the q_len new tokens go at the row's length, the
   last one skipped (position -1) when q_len > 1."""
-  k_pages, v_pages = make_pages(rng, case)
+  pages = make_pages(rng, case)
   table = make_table(rng, case, shared=False)
   cap = case.max_pages * case.page_size
   start = rng.integers(0, cap - case.q_len + 1, size=case.batch)
@@ -107,21 +135,78 @@ def make_update(rng, case: Case) -> C.Inputs:
   if case.q_len > 1:
     positions[:, -1] = -1
   new = (case.batch, case.q_len, case.kv_heads, case.head_dim)
-  return C.Inputs(dict(k_pages=k_pages, v_pages=v_pages,
-                       k_new=oracle.randn(rng, new, case.dtype),
-                       v_new=oracle.randn(rng, new, case.dtype),
-                       block_table=jnp.asarray(table),
-                       positions=jnp.asarray(positions.astype(np.int32))), {})
+  arrays = dict(k_pages=pages["k_pages"], v_pages=pages["v_pages"],
+                k_new=oracle.randn(rng, new, case.dtype),
+                v_new=oracle.randn(rng, new, case.dtype),
+                block_table=jnp.asarray(table),
+                positions=jnp.asarray(positions.astype(np.int32)))
+  return C.Inputs(_with_scales(arrays, pages), {})
+
+
+# ---- the 8-bit cache's quantization rule ------------------------------------------------------
+
+QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
+
+
+def _round_e4m3(y, xp):
+  """y (|y| <= 448, float) rounded to nearest even on the float8_e4m3fn grid: 3 mantissa
+  bits, subnormal quantum 2^-9. Scaling by the quantum (a power of two) is exact."""
+  _, e = xp.frexp(y)                          # |y| = m 2^e, m in [0.5, 1)
+  exp = xp.maximum(e - 1, -6)                 # floor(log2 |y|); subnormals share 2^-6's
+  quantum = xp.ldexp(xp.ones_like(y), exp - 3)
+  return xp.round(y / quantum) * quantum      # half to even
+
+
+def np_quantize_kv(x, kv_dtype):
+  """The rule in float64 numpy: (values as float64, scales as float64), each scale and
+  x / scale rounded to float32 as the rule's float32 divisions round (a float64 quotient
+  of float32 values rounded to float32 is the correctly rounded float32 quotient)."""
+  x = oracle.as_f64(x)
+  qmax = QMAX[jnp.dtype(kv_dtype)]
+  scale = (np.max(np.abs(x), axis=-1) / qmax).astype(np.float32).astype(np.float64)
+  ok = scale > 0
+  y = np.where(ok[..., None], x / np.where(ok, scale, 1.0)[..., None], 0.0)
+  y = y.astype(np.float32).astype(np.float64)
+  if jnp.dtype(kv_dtype) == jnp.int8:
+    values = np.clip(np.round(y), -127, 127)
+  else:
+    values = _round_e4m3(np.clip(y, -448.0, 448.0), np)
+  return values, scale
+
+
+def jnp_quantize_kv(x, kv_dtype):
+  """The rule in jnp float32 (under x64 too): (values of kv_dtype, float32 scales). The
+  divisors are full-shape, derived from x (batched with it under vmap) and behind a
+  barrier: XLA would turn a division by a constant or a broadcast into a multiply by the
+  reciprocal, which rounds differently."""
+  x = x.astype(jnp.float32)
+  qmax = QMAX[jnp.dtype(kv_dtype)]
+  amax = jnp.max(jnp.abs(x), axis=-1)
+  scale = amax / jax.lax.optimization_barrier(jnp.where(jnp.isnan(amax), 1.0,
+                                                        jnp.float32(qmax)))
+  ok = scale > 0
+  div = jax.lax.optimization_barrier(
+      jnp.broadcast_to(jnp.where(ok, scale, 1.0)[..., None], x.shape))
+  y = jnp.where(ok[..., None], x / div, 0.0)
+  if jnp.dtype(kv_dtype) == jnp.int8:
+    values = jnp.clip(jnp.round(y), -127, 127)
+  else:
+    values = _round_e4m3(jnp.clip(y, -448.0, 448.0), jnp)
+  return values.astype(kv_dtype), scale
 
 
 # ---- oracles --------------------------------------------------------------------------------
 
 
 def np_paged_attention(query, k_pages, v_pages, block_table, lengths, scale=None,
-                       logit_softcap=None, local_window_size=None):
-  """float64, one query row at a time: keys read page by page through the table."""
+                       logit_softcap=None, local_window_size=None, k_scale=None, v_scale=None):
+  """float64, one query row at a time: keys read page by page through the table (an 8-bit
+  cache's dequantized exactly)."""
   q = oracle.as_f64(query)
   kp, vp = oracle.as_f64(k_pages), oracle.as_f64(v_pages)
+  if k_scale is not None:
+    kp = kp * oracle.as_f64(k_scale)[..., None]
+    vp = vp * oracle.as_f64(v_scale)[..., None]
   table, lens = np.asarray(block_table), np.asarray(lengths)
   b, tq, n, h = q.shape
   num_pages, s, k, _ = kp.shape
@@ -153,9 +238,14 @@ def np_paged_attention(query, k_pages, v_pages, block_table, lengths, scale=None
 
 
 def jnp_paged_attention(query, k_pages, v_pages, block_table, lengths, scale=None,
-                        logit_softcap=None, local_window_size=None, out_dtype=None):
-  """jnp, at the inputs' precision promoted to float32 (float64 under x64)."""
+                        logit_softcap=None, local_window_size=None, out_dtype=None,
+                        k_scale=None, v_scale=None):
+  """jnp, at the inputs' precision promoted to float32 (float64 under x64); an 8-bit
+  cache dequantized at that precision."""
   acc = jnp.promote_types(query.dtype, jnp.float32)
+  if k_scale is not None:
+    k_pages = k_pages.astype(acc) * k_scale.astype(acc)[..., None]
+    v_pages = v_pages.astype(acc) * v_scale.astype(acc)[..., None]
   b, tq, n, h = query.shape
   num_pages, s, k, _ = k_pages.shape
   m = block_table.shape[1]
@@ -186,7 +276,16 @@ def jnp_paged_attention(query, k_pages, v_pages, block_table, lengths, scale=Non
   return o.astype(out_dtype or query.dtype)
 
 
-def np_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions):
+def np_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, k_scale=None,
+                 v_scale=None):
+  """The caches after the update, as numpy: (k_pages, v_pages) in their dtype, or for an
+  8-bit cache (values as float64, values as float64, k_scale, v_scale as float64)."""
+  if k_scale is not None:
+    kq, ks = np_quantize_kv(k_new, k_pages.dtype)
+    vq, vs = np_quantize_kv(v_new, k_pages.dtype)
+    return np_kv_update(oracle.as_f64(k_pages), oracle.as_f64(v_pages), kq, vq, block_table,
+                        positions) + np_kv_update(
+        oracle.as_f64(k_scale), oracle.as_f64(v_scale), ks, vs, block_table, positions)
   kp, vp = np.array(k_pages), np.array(v_pages)
   table, pos = np.asarray(block_table), np.asarray(positions)
   num_pages, s = kp.shape[:2]
@@ -202,8 +301,16 @@ def np_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions):
   return kp, vp
 
 
-def jnp_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions):
-  num_pages, s, k, h = k_pages.shape
+def jnp_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, k_scale=None,
+                  v_scale=None, kv_dtype=None):
+  """kv_dtype: an 8-bit cache's value type (its pages may come here as float64)."""
+  if k_scale is not None:
+    kq, ks = jnp_quantize_kv(k_new, kv_dtype)
+    vq, vs = jnp_quantize_kv(v_new, kv_dtype)
+    return (jnp_kv_update(k_pages, v_pages, kq, vq, block_table, positions)
+            + jnp_kv_update(k_scale, v_scale, ks, vs, block_table, positions))
+  num_pages, s = k_pages.shape[:2]
+  rest = k_pages.shape[2:]
   m = block_table.shape[1]
   if k_new.size == 0 or num_pages == 0 or m == 0:
     return k_pages, v_pages
@@ -214,8 +321,8 @@ def jnp_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions):
   flat = jnp.where(ok, page * s + slot % s, num_pages * s).reshape(-1)
   out = []
   for pages, new in ((k_pages, k_new), (v_pages, v_new)):
-    rows = pages.reshape(num_pages * s, k, h).at[flat].set(
-        new.reshape(-1, k, h).astype(pages.dtype), mode="drop")
+    rows = pages.reshape(num_pages * s, *rest).at[flat].set(
+        new.reshape(-1, *rest).astype(pages.dtype), mode="drop")
     out.append(rows.reshape(pages.shape))
   return tuple(out)
 
@@ -226,8 +333,8 @@ def _attention_oracle(arrays, static, dtype):
   return (jnp_paged_attention(**arrays, **static, out_dtype=out_dtype),)
 
 
-def _update_oracle(arrays, static, dtype):
-  return jnp_kv_update(**arrays)
+def _update_oracle(kv_dtype):
+  return lambda arrays, static, dtype: jnp_kv_update(**arrays, kv_dtype=kv_dtype)
 
 
 # ---- the contract tables ---------------------------------------------------------------------
@@ -371,7 +478,7 @@ SPECS = (
         example=Case(jnp.float32, q_len=3),
         array_args=UPD_ARGS,
         diff_args=(),
-        oracle=_update_oracle,
+        oracle=_update_oracle(None),
         outputs=("k_pages", "v_pages"),
         vmap=_upd_vmap_table(),
         pmap=C.VmapCase("all0", Case(jnp.float32, q_len=2), (dict.fromkeys(UPD_ARGS, 0),),
@@ -385,3 +492,116 @@ SPECS = (
         size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2)),),
     ),
 )
+
+
+# ---- the 8-bit cache: the same contract, with the scales ----------------------------------------
+
+SCALES = ("k_scale", "v_scale")
+KV_HEADS_B = P(None, None, "b")
+
+
+def _q8_att_kw(kv_dtype, **over):
+  case = Case(jnp.float32, batch=2, q_len=2, kv_dtype=kv_dtype)
+  inputs = make_attention(np.random.default_rng(0), case)
+  return {k: v for k, v in {**inputs.arrays, **over}.items() if v is not None}
+
+
+def _q8_upd_kw(kv_dtype, **over):
+  case = Case(jnp.float32, batch=2, q_len=2, kv_dtype=kv_dtype)
+  inputs = make_update(np.random.default_rng(0), case)
+  return {k: v for k, v in {**inputs.arrays, **over}.items() if v is not None}
+
+
+def _q8_bad(kw, name):
+  """Bad scales: missing, misshapen, mistyped, or given with a 16-bit cache."""
+  other = jnp.float8_e4m3fn if name == "int8" else jnp.int8
+  f32_kw = _att_kw if kw is _q8_att_kw else _upd_kw
+  ones = jnp.ones((11, 8, 2), jnp.float32)
+  return (
+      _bad(lambda: kw(name, k_scale=None), TypeError, r"k_scale is required", "no-k-scale"),
+      _bad(lambda: kw(name, v_scale=None), TypeError, r"v_scale is required", "no-v-scale"),
+      _bad(lambda: kw(name, k_scale=jnp.ones((11, 8, 1), jnp.float32)), ValueError,
+           r"k_scale.*shape", "k-scale-shape"),
+      _bad(lambda: kw(name, v_scale=jnp.ones((11, 8, 2, 1), jnp.float32)), ValueError,
+           r"v_scale.*shape", "v-scale-rank"),
+      _bad(lambda: kw(name, k_scale=jnp.ones((11, 8, 2), jnp.bfloat16)), TypeError,
+           r"k_scale.*float32", "k-scale-bf16"),
+      _bad(lambda: kw(name, v_pages=kw(name)["v_pages"].astype(other)), TypeError,
+           r"v_pages.*dtype", "v-pages-other-8bit"),
+      _bad(lambda: f32_kw(k_scale=ones, v_scale=ones), TypeError,
+           r"k_scale is only for an 8-bit cache", "scales-with-f32-cache"),
+  )
+
+
+def _q8_specs(kv_dtype) -> tuple:
+  name = jnp.dtype(kv_dtype).name
+  q8 = functools.partial(dataclasses.replace, kv_dtype=kv_dtype)
+  att_args = ATT_ARGS + SCALES
+  upd_args = UPD_ARGS + SCALES
+  kv_heads = {k: KV_HEADS_B for k in ("k_pages", "v_pages") + SCALES}
+  return (
+      C.OpSpec(
+          name="paged_attention",
+          variant=name,
+          fwd_pass="fwd_q8",
+          make=make_attention,
+          example=Case(jnp.float32, q_len=2, kv_dtype=kv_dtype, **OPTIONS),
+          array_args=att_args,
+          diff_args=(),
+          oracle=_attention_oracle,
+          vmap=(
+              C.VmapCase("all0", Case(jnp.float32, q_len=2, kv_dtype=kv_dtype, **OPTIONS),
+                         (dict.fromkeys(att_args, 0),), frozenset({"fwd"})),
+              C.VmapCase("rows-shared-pool", Case(jnp.bfloat16, q_len=3, kv_dtype=kv_dtype),
+                         ({"query": 1, "block_table": 0, "lengths": 0},), frozenset({"fwd"})),
+          ),
+          pmap=C.VmapCase("all0", Case(jnp.float32, kv_dtype=kv_dtype),
+                          (dict.fromkeys(att_args, 0),), frozenset({"fwd"}),
+                          sizes=(C.PMAP_DEVICES,)),
+          sharding=(
+              C.ShardingCase("batch", q8(SHARD_CASE),
+                             {"query": P("a"), "block_table": P("a"), "lengths": P("a")},
+                             fwd=frozenset(), out_specs={"y": P("a")}),
+              C.ShardingCase("kv-heads", q8(SHARD_CASE), {"query": KV_HEADS_B, **kv_heads},
+                             fwd=frozenset(), out_specs={"y": KV_HEADS_B}, kernels_only=True),
+          ),
+          shard_map=C.ShardMapCase(
+              Case(jnp.bfloat16, batch=8, q_len=2, kv_dtype=kv_dtype, **OPTIONS),
+              {"query": ROWS8, "block_table": ROWS8, "lengths": ROWS8}, (ROWS8,)),
+          bad_inputs=_q8_bad(_q8_att_kw, name),
+          size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2, kv_dtype=kv_dtype)),),
+      ),
+      C.OpSpec(
+          name="paged_kv_update",
+          variant=name,
+          fwd_pass="fwd_q8",
+          make=make_update,
+          example=Case(jnp.float32, q_len=3, kv_dtype=kv_dtype),
+          array_args=upd_args,
+          diff_args=(),
+          oracle=_update_oracle(kv_dtype),
+          outputs=("k_pages", "v_pages") + SCALES,
+          vmap=(
+              C.VmapCase("all0", Case(jnp.float32, q_len=3, kv_dtype=kv_dtype),
+                         (dict.fromkeys(upd_args, 0),), frozenset({"fwd"})),
+              C.VmapCase("new-only", Case(jnp.bfloat16, q_len=2, kv_dtype=kv_dtype),
+                         ({"k_new": 0, "v_new": 0, "positions": 0},), frozenset({"fwd"})),
+          ),
+          pmap=C.VmapCase("all0", Case(jnp.float32, q_len=2, kv_dtype=kv_dtype),
+                          (dict.fromkeys(upd_args, 0),), frozenset({"fwd"}),
+                          sizes=(C.PMAP_DEVICES,)),
+          sharding=(
+              C.ShardingCase("kv-heads", Case(jnp.bfloat16, batch=4, q_len=2, kv_dtype=kv_dtype),
+                             {"k_new": KV_HEADS_B, "v_new": KV_HEADS_B, **kv_heads},
+                             fwd=frozenset(), kernels_only=True, out_specs=kv_heads),
+          ),
+          shard_map=C.ShardMapCase(
+              Case(jnp.bfloat16, batch=2, q_len=2, kv_dtype=kv_dtype),
+              {"k_new": KV_HEADS_B, "v_new": KV_HEADS_B, **kv_heads}, (KV_HEADS_B,) * 4),
+          bad_inputs=_q8_bad(_q8_upd_kw, name),
+          size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2, kv_dtype=kv_dtype)),),
+      ),
+  )
+
+
+SPECS += _q8_specs(jnp.int8) + _q8_specs(jnp.float8_e4m3fn)
