@@ -19,16 +19,21 @@
 // at multiples of 64 keys, so a split's range is whole tiles (the first masked below the
 // window, the last at the row's length).
 //
-// 8-bit cache. The raw tile (half the bytes) lands in the ring; before the products, the
-// block converts it to the 16-bit type in one more shared tile (int8 and e4m3 values are
-// exact in bf16 and f16). The per-token scales never touch the values: a key's K scale
-// multiplies its logit, and its V scale its probability before P V (the softmax sums use
-// the unscaled probability), one multiply per key and row instead of one per value.
+// 8-bit cache. The raw tile (half the bytes) lands in the ring; each warp widens its own
+// 16 keys to half in one more shared tile (int8 and e4m3 values are exact in half, and the
+// widening is one or two instructions a pair: WidenToHalf8), and the products run in half
+// whatever the query's type: a bf16 query is scaled by a power of two into half's range
+// (exact but for components under 2^-14 of its largest) and the logits scaled back. Half
+// keeps the probabilities to 11 bits where bf16 would keep 8. The per-token scales never
+// touch the values: a key's K scale multiplies its logit, and its V scale its probability
+// before P V (the softmax sums use the unscaled probability), one multiply per key and row
+// instead of one per value.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "attention/attention_copy.cuh"
 #include "attention/attention_fragments.cuh"
@@ -78,26 +83,37 @@ struct Layout {
   static_assert(kMergeBytes <= kOk - kRing, "the merge fits in the tiles");
 };
 
-// 8 values of an 8-bit cache (8 bytes) as 8 values of T, exactly.
-template <typename T, typename KV>
-__device__ __forceinline__ uint4 Widen8(uint2 raw) {
+// 8 values of an 8-bit cache (8 bytes) as 8 halfs, exactly (int8 and e4m3 values all are
+// halfs): e4m3 pairs by one cvt each; int8 by the magic-number trick, each byte b (offset
+// to b + 128) placed under the half 0x64 exponent byte is 1024 + b + 128, then one
+// subtraction of 1152 per pair.
+template <typename KV>
+__device__ __forceinline__ uint4 WidenToHalf8(uint2 raw) {
   uint4 out;
   uint32_t* words = reinterpret_cast<uint32_t*>(&out);
-  const uint8_t* bytes = reinterpret_cast<const uint8_t*>(&raw);
+  if constexpr (std::is_same_v<KV, int8_t>) {
+    const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));
 #pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    float lo, hi;
-    if constexpr (std::is_same_v<KV, int8_t>) {
-      lo = float(int8_t(bytes[2 * i]));
-      hi = float(int8_t(bytes[2 * i + 1]));
-    } else {
-      const __half2_raw h = __nv_cvt_fp8x2_to_halfraw2(
-          __nv_fp8x2_storage_t(bytes[2 * i] | (uint16_t(bytes[2 * i + 1]) << 8)), __NV_E4M3);
-      const float2 f = __half22float2(__half2(h));
-      lo = f.x;
-      hi = f.y;
+    for (int w = 0; w < 2; ++w) {
+      const uint32_t x = (w == 0 ? raw.x : raw.y) ^ 0x80808080u;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const uint32_t magic = __byte_perm(x, 0x64u, i == 0 ? 0x4140 : 0x4342);
+        const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&magic), bias);
+        words[2 * w + i] = *reinterpret_cast<const uint32_t*>(&v);
+      }
     }
-    words[i] = att::PackPair<T>(lo, hi);
+  } else {
+#pragma unroll
+    for (int w = 0; w < 2; ++w) {
+      const uint32_t x = w == 0 ? raw.x : raw.y;
+#pragma unroll
+      for (int i = 0; i < 2; ++i) {
+        const __half2_raw h =
+            __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x >> (16 * i)), __NV_E4M3);
+        words[2 * w + i] = *reinterpret_cast<const uint32_t*>(&h);
+      }
+    }
   }
   return out;
 }
@@ -106,12 +122,17 @@ template <typename T, typename KV, int kHD, int kMT>
 __global__ void __launch_bounds__(kThreads, 2)
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles) {
   using L = Layout<T, KV, kHD, kMT>;
+  // The products' type: the query's, or half over an 8-bit cache (see WidenToHalf8; the
+  // query is scaled by a power of two into half's range, exactly but for components below
+  // half's normal range, 2^-14 of the largest).
+  using M = std::conditional_t<kIs8Bit<KV>, __half, T>;
   constexpr int kRows = L::kRows;
   constexpr int kStride = L::kStride;
   constexpr int kChunks = kHD / kChunkValues;  // chunks per key row
   constexpr int kChunkBytes = kChunkValues * sizeof(KV);
   extern __shared__ __align__(16) unsigned char smem[];
-  T* s_q = reinterpret_cast<T*>(smem + L::kQ);
+  M* s_q = reinterpret_cast<M*>(smem + L::kQ);
+  __shared__ uint32_t s_qmax;  // the largest |q| of the block's rows, as float bits
   int32_t* s_ok = reinterpret_cast<int32_t*>(smem + L::kOk);
   float* s_scale = reinterpret_cast<float*>(smem + L::kScale);
 
@@ -216,18 +237,61 @@ __global__ void __launch_bounds__(kThreads, 2)
     }
   };
 
-  // The query rows (zeros past H and for padding rows), in the first copy group.
+  // The query rows (zeros past H and for padding rows): copied in the first copy group, or
+  // over an 8-bit cache read twice, for the largest |q| and then as scaled halfs.
   const T* query = static_cast<const T*>(p.query);
-  for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
-    const int row = i / (kHD / 8), chunk = i % (kHD / 8);
-    const int64_t rr = row0 + row;
-    const bool copy = rr < rows_per_kv && chunk * 8 < H;
-    const int64_t t = copy ? rr / rep : 0, n = copy ? kvh * rep + rr % rep : 0;
-    const T* src = copy ? query + ((r * p.q_len + t) * N + n) * H + chunk * 8 : query;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
-                     att::SmemAddress(s_q + row * kStride + chunk * 8)),
-                 "l"(src), "r"(copy ? 16 : 0)
-                 : "memory");
+  auto query_chunk = [&](int i, int* row, int* chunk) -> const T* {
+    *row = i / (kHD / 8), *chunk = i % (kHD / 8);
+    const int64_t rr = row0 + *row;
+    if (rr >= rows_per_kv || *chunk * 8 >= H) return nullptr;
+    return query + ((r * p.q_len + rr / rep) * N + kvh * rep + rr % rep) * H + *chunk * 8;
+  };
+  float q_unscale = 1.f;  // the logits' factor undoing the query's scaling
+  if constexpr (kIs8Bit<KV>) {
+    if (threadIdx.x == 0) s_qmax = 0u;
+    __syncthreads();
+    float most = 0.f;
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+      int row, chunk;
+      if (const T* src = query_chunk(i, &row, &chunk)) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src);
+        const T* v = reinterpret_cast<const T*>(&raw);
+#pragma unroll
+        for (int e = 0; e < 8; ++e) most = fmaxf(most, fabsf(ToFloat(v[e])));
+      }
+    }
+    atomicMax(&s_qmax, __float_as_uint(most));  // non-negative floats order as their bits
+    __syncthreads();
+    const float qmax = __uint_as_float(s_qmax);
+    // Largest below 2^15 (half's max is 65504); a power of two, so scaling is exact.
+    const int shift = qmax >= 16384.f ? ilogbf(qmax) - 14 : 0;
+    const float q_mul = exp2f(float(-shift));
+    q_unscale = exp2f(float(shift));
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+      int row, chunk;
+      const T* src = query_chunk(i, &row, &chunk);
+      uint4 packed = make_uint4(0u, 0u, 0u, 0u);
+      if (src) {
+        const uint4 raw = *reinterpret_cast<const uint4*>(src);
+        const T* v = reinterpret_cast<const T*>(&raw);
+        uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          words[e] =
+              att::PackPair<__half>(ToFloat(v[2 * e]) * q_mul, ToFloat(v[2 * e + 1]) * q_mul);
+        }
+      }
+      *reinterpret_cast<uint4*>(s_q + row * kStride + chunk * 8) = packed;
+    }
+  } else {
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+      int row, chunk;
+      const T* src = query_chunk(i, &row, &chunk);
+      asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
+                       att::SmemAddress(s_q + row * kStride + chunk * 8)),
+                   "l"(src ? src : query), "r"(src ? 16 : 0)
+                   : "memory");
+    }
   }
 #pragma unroll
   for (int it = 0; it < kStages - 1; ++it) {
@@ -250,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   }
   const int32_t window = p.window_left;
   const bool softcap = p.softcap > 0.f;
-  const float dot_scale = softcap ? p.scale / p.softcap : p.scale * kLog2e;
+  const float dot_scale = (softcap ? p.scale / p.softcap : p.scale * kLog2e) * q_unscale;
   const float cap_log2 = p.softcap * kLog2e;
 
   float m[kMT][2], l[kMT][2], acc[kMT][kHD / 8][4];
@@ -268,29 +332,31 @@ __global__ void __launch_bounds__(kThreads, 2)
     if (it + kStages - 1 < num_tiles) load_tile(it + kStages - 1);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 
-    const T* k_tile;
-    const T* v_tile;
+    const int key0 = warp * 16;  // this warp's keys of the tile
+    const M* k_tile;
+    const M* v_tile;
     if constexpr (kIs8Bit<KV>) {
-      T* k16 = reinterpret_cast<T*>(smem + L::kConverted);
-      T* v16 = k16 + kKeys * kStride;
+      // Each warp widens its own 16 keys (no block barrier): rows key0.. of the half tiles.
+      M* k16 = reinterpret_cast<M*>(smem + L::kConverted);
+      M* v16 = k16 + kKeys * kStride;
       const unsigned char* k_raw = ring_k(stage);
       const unsigned char* v_raw = ring_v(stage);
-      for (int i = threadIdx.x; i < kKeys * kChunks; i += kThreads) {
-        const int key = i / kChunks, chunk = i % kChunks;
+#pragma unroll
+      for (int i = lane; i < 16 * kChunks; i += 32) {
+        const int key = key0 + i / kChunks, chunk = i % kChunks;
         const int from = key * kHD + chunk * 8, to = key * kStride + chunk * 8;
         *reinterpret_cast<uint4*>(k16 + to) =
-            Widen8<T, KV>(*reinterpret_cast<const uint2*>(k_raw + from));
+            WidenToHalf8<KV>(*reinterpret_cast<const uint2*>(k_raw + from));
         *reinterpret_cast<uint4*>(v16 + to) =
-            Widen8<T, KV>(*reinterpret_cast<const uint2*>(v_raw + from));
+            WidenToHalf8<KV>(*reinterpret_cast<const uint2*>(v_raw + from));
       }
-      __syncthreads();
+      __syncwarp();
       k_tile = k16;
       v_tile = v16;
     } else {
-      k_tile = reinterpret_cast<const T*>(ring_k(stage));
-      v_tile = reinterpret_cast<const T*>(ring_v(stage));
+      k_tile = reinterpret_cast<const M*>(ring_k(stage));
+      v_tile = reinterpret_cast<const M*>(ring_v(stage));
     }
-    const int key0 = warp * 16;  // this warp's keys of the tile
 
     // Logits: (16 kMT) x 16 keys.
     float s[kMT][2][4];
@@ -303,8 +369,8 @@ __global__ void __launch_bounds__(kThreads, 2)
       for (int mi = 0; mi < kMT; ++mi) {
         uint32_t a[4];
         sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
-        sm80::MmaType<T>::Mma(s[mi][0], a, b[0], b[1]);
-        sm80::MmaType<T>::Mma(s[mi][1], a, b[2], b[3]);
+        sm80::MmaType<M>::Mma(s[mi][0], a, b[0], b[1]);
+        sm80::MmaType<M>::Mma(s[mi][1], a, b[2], b[3]);
       }
     }
 
@@ -388,15 +454,15 @@ __global__ void __launch_bounds__(kThreads, 2)
 
     // P V: the probabilities as 16-bit A fragments, V's fragments by transposed ldmatrix.
     uint32_t pa[1][kMT][4];
-    att::PackProbs<T, 16, kMT>(pa, probs);
+    att::PackProbs<M, 16, kMT>(pa, probs);
 #pragma unroll
     for (int nn = 0; nn < kHD / 16; ++nn) {
       uint32_t b[4];
       sm80::LoadBKn<kHD>(b, v_tile, key0, nn * 16, lane);
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
-        sm80::MmaType<T>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
-        sm80::MmaType<T>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
+        sm80::MmaType<M>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
+        sm80::MmaType<M>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
       }
     }
   }
