@@ -50,9 +50,12 @@ namespace sm80 = ::jaxgpu::cuda::attention::sm80;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kKeys = 64;        // keys per tile: 16 per warp
-constexpr int kStages = 3;       // tiles in flight: 2 x 35 KB per block at H 128
-constexpr int kChunkValues = 8;  // values per copied chunk (16 bytes of 16-bit, 8 of 8-bit)
+constexpr int kKeys = 64;   // keys per tile: 16 per warp
+constexpr int kStages = 3;  // tiles in flight: 2 x 35 KB per block at H 128
+// Values per copied chunk: 16 bytes (8 of 16-bit, 16 of 8-bit; an 8-bit row whose H is
+// not a multiple of 16 copies each chunk as two 8-byte halves, its rows being 8-aligned).
+template <typename KV>
+constexpr int kChunkValues = 16 / int(sizeof(KV));
 
 template <typename KV>
 constexpr bool kIs8Bit = sizeof(KV) == 1;
@@ -128,8 +131,10 @@ __global__ void __launch_bounds__(kThreads, 2)
   using M = std::conditional_t<kIs8Bit<KV>, __half, T>;
   constexpr int kRows = L::kRows;
   constexpr int kStride = L::kStride;
-  constexpr int kChunks = kHD / kChunkValues;  // chunks per key row
-  constexpr int kChunkBytes = kChunkValues * sizeof(KV);
+  constexpr int kValues = kChunkValues<KV>;
+  constexpr int kChunks = kHD / kValues;     // chunks per key row: 4 to 32
+  constexpr int kStep = kThreads / kChunks;  // keys a pass of the block copies
+  const bool halves = kIs8Bit<KV> && p.head_dim % 16 != 0;
   extern __shared__ __align__(16) unsigned char smem[];
   M* s_q = reinterpret_cast<M*>(smem + L::kQ);
   __shared__ uint32_t s_qmax;  // the largest |q| of the block's rows, as float bits
@@ -181,27 +186,30 @@ __global__ void __launch_bounds__(kThreads, 2)
     const int stage = it % kStages;
     unsigned char* k_dst = ring_k(stage);
     unsigned char* v_dst = ring_v(stage);
+    // A thread copies chunk `chunk` of keys key_first + pass x kStep: one division for the
+    // first key's page and slot, then steps (kStep <= 32 keys: at most 4 pages of >= 8).
+    const int chunk = threadIdx.x % kChunks;
+    const int key_first = threadIdx.x / kChunks;
+    const int32_t pos_first = begin + it * kKeys + key_first;
+    int32_t col = pos_first / S;
+    int32_t slot = pos_first - col * S;
 #pragma unroll
-    for (int pass = 0; pass < kKeys * kChunks / kThreads; ++pass) {
-      const int i = pass * kThreads + threadIdx.x;
-      const int key = i / kChunks;
-      const int chunk = i - key * kChunks;
-      const int32_t pos = begin + it * kKeys + key;
-      int32_t page = -1, slot = 0;
-      if (pos < end) {
-        const int32_t col = pos / S;
-        slot = pos - col * S;
-        page = table[col];
+    for (int pass = 0; pass < kKeys / kStep; ++pass) {
+      const int key = key_first + pass * kStep;
+      const int32_t pos = pos_first + pass * kStep;
+      if (pass > 0) {
+        slot += kStep;
+        while (slot >= S) slot -= S, ++col;
       }
+      const int32_t page = pos < end ? table[col] : -1;
       const bool ok = page >= 0 && page < p.num_pages;
       const int64_t at = ok ? int64_t(page) * page_stride + int64_t(slot) * token_stride : 0;
-      const bool copy = ok && chunk * kChunkValues < H;
-      const int64_t src = at + (copy ? chunk * kChunkValues : 0);
-      const int dst = kIs8Bit<KV> ? key * kHD * int(sizeof(KV)) + chunk * kChunkBytes
-                                  : (key * kStride + chunk * kChunkValues) * 2;
+      const bool copy = ok && chunk * kValues < H;
+      const int64_t src = at + (copy ? chunk * kValues : 0);
+      const int dst = kIs8Bit<KV> ? key * kHD + chunk * 16 : (key * kStride + chunk * kValues) * 2;
       const uint32_t kd = att::SmemAddress(k_dst + dst), vd = att::SmemAddress(v_dst + dst);
-      const int bytes = copy ? kChunkBytes : 0;
-      if constexpr (kChunkBytes == 16) {
+      if (!halves) {
+        const int bytes = copy ? 16 : 0;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(k_pool + src),
                      "r"(bytes)
                      : "memory");
@@ -209,12 +217,18 @@ __global__ void __launch_bounds__(kThreads, 2)
                      "r"(bytes)
                      : "memory");
       } else {
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(kd), "l"(k_pool + src),
-                     "r"(bytes)
-                     : "memory");
-        asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(vd), "l"(v_pool + src),
-                     "r"(bytes)
-                     : "memory");
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const bool in = copy && chunk * kValues + 8 * half < H;
+          const int64_t from = in ? src + 8 * half : 0;
+          const int bytes = in ? 8 : 0;
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(kd + 8 * half),
+                       "l"(k_pool + from), "r"(bytes)
+                       : "memory");
+          asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(vd + 8 * half),
+                       "l"(v_pool + from), "r"(bytes)
+                       : "memory");
+        }
       }
       if (chunk == 0) {
         s_ok[stage * kKeys + key] = ok ? 1 : 0;
@@ -344,11 +358,13 @@ __global__ void __launch_bounds__(kThreads, 2)
 #pragma unroll
       for (int i = lane; i < 16 * kChunks; i += 32) {
         const int key = key0 + i / kChunks, chunk = i % kChunks;
-        const int from = key * kHD + chunk * 8, to = key * kStride + chunk * 8;
-        *reinterpret_cast<uint4*>(k16 + to) =
-            WidenToHalf8<KV>(*reinterpret_cast<const uint2*>(k_raw + from));
-        *reinterpret_cast<uint4*>(v16 + to) =
-            WidenToHalf8<KV>(*reinterpret_cast<const uint2*>(v_raw + from));
+        const int from = key * kHD + chunk * 16, to = key * kStride + chunk * 16;
+        const uint4 kr = *reinterpret_cast<const uint4*>(k_raw + from);
+        const uint4 vr = *reinterpret_cast<const uint4*>(v_raw + from);
+        *reinterpret_cast<uint4*>(k16 + to) = WidenToHalf8<KV>(make_uint2(kr.x, kr.y));
+        *reinterpret_cast<uint4*>(k16 + to + 8) = WidenToHalf8<KV>(make_uint2(kr.z, kr.w));
+        *reinterpret_cast<uint4*>(v16 + to) = WidenToHalf8<KV>(make_uint2(vr.x, vr.y));
+        *reinterpret_cast<uint4*>(v16 + to + 8) = WidenToHalf8<KV>(make_uint2(vr.z, vr.w));
       }
       __syncwarp();
       k_tile = k16;
