@@ -35,11 +35,9 @@
 
 namespace jaxgpu {
 
-#define JAXGPU_PAGED_ATTENTION_FWD_BINDING(BIND)      \
-  BIND.Arg<::xla::ffi::AnyBuffer>() /* query */       \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+// The arguments after the caches, the results and the attributes of both attention targets.
+#define JAXGPU_PAGED_ATTENTION_TAIL(B)                \
+  B.Arg<::xla::ffi::AnyBuffer>()    /* block_table */ \
       .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
       .Ret<::xla::ffi::AnyBuffer>() /* out */         \
       .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
@@ -48,20 +46,17 @@ namespace jaxgpu {
       .Attr<int32_t>("window_left") /* window_left */ \
       .Attr<int32_t>("num_splits")  /* num_splits */
 
-#define JAXGPU_PAGED_ATTENTION_Q8_FWD_BINDING(BIND)   \
-  BIND.Arg<::xla::ffi::AnyBuffer>() /* query */       \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_scale */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* v_scale */     \
-      .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
-      .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
-      .Ret<::xla::ffi::AnyBuffer>() /* out */         \
-      .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
-      .Attr<float>("scale")         /* scale */       \
-      .Attr<float>("softcap")       /* softcap */     \
-      .Attr<int32_t>("window_left") /* window_left */ \
-      .Attr<int32_t>("num_splits")  /* num_splits */
+#define JAXGPU_PAGED_ATTENTION_FWD_BINDING(BIND)                              \
+  JAXGPU_PAGED_ATTENTION_TAIL(BIND.Arg<::xla::ffi::AnyBuffer>() /* q */       \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* k_pages */ \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* v_pages */)
+
+#define JAXGPU_PAGED_ATTENTION_Q8_FWD_BINDING(BIND)                           \
+  JAXGPU_PAGED_ATTENTION_TAIL(BIND.Arg<::xla::ffi::AnyBuffer>() /* q */       \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* k_pages */ \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* v_pages */ \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* k_scale */ \
+                                  .Arg<::xla::ffi::AnyBuffer>() /* v_scale */)
 
 #define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
   BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
