@@ -194,24 +194,6 @@ def _skip(bench: harness.Bench, case: Case, pass_: str, impl: str, why: str) -> 
     bench.skip(f"{case.op} {case.label()} {pass_} {impl}", why)
 
 
-def _runnable(bench: harness.Bench, fns: dict, arg_sets, case: Case, pass_: str) -> dict:
-    """The implementations that run one call of this case; the others are skipped with the
-    first line of their error (out of memory, an unsupported head dim, not built)."""
-    import jax
-
-    ok = {}
-    for impl, fn in fns.items():
-        try:
-            jax.block_until_ready(fn(*arg_sets[0]))
-            ok[impl] = fn
-        except Exception as e:  # noqa: BLE001 (any failure of a baseline is a skip)
-            first = str(e).strip().splitlines()[0] if str(e).strip() else ""
-            oom = "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
-            _skip(bench, case, pass_, impl,
-                  ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
-    return ok
-
-
 def _mark_targets(bench: harness.Bench, case: Case, pass_: str, recs, plain_times) -> None:
     if not bench.on_gpu:
         return
@@ -262,7 +244,7 @@ def run(bench: harness.Bench) -> None:
                     _skip(bench, case, pass_, impl, why)
                 else:
                     fns[impl] = make(impl, case)
-            fns = _runnable(bench, fns, arg_sets, case, pass_)
+            fns = bench.runnable(f"{case.op} {case.label()} {pass_}", fns, arg_sets[0])
             if not fns:
                 continue
             recs = bench.run_case(op=case.op, case=case.label(), pass_=pass_,

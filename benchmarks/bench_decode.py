@@ -230,25 +230,6 @@ def make_fn(impl: str, case: Case):
   return jax.jit(looped)
 
 
-def _runnable(bench: harness.Bench, fns: dict, args: tuple, case: Case) -> dict:
-  """The implementations whose first call succeeds; the others are skipped with the first
-  line of their error (cuDNN refusing a shape, out of memory, not built)."""
-  import jax
-
-  ok = {}
-  for impl, fn in fns.items():
-    try:
-      jax.block_until_ready(fn(*args))
-      ok[impl] = fn
-    except Exception as e:  # noqa: BLE001 (any failure of an implementation is a skip)
-      text = str(e).strip()
-      first = text.splitlines()[0] if text else ""
-      oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
-      bench.skip(f"{case.op} {case.label()} {impl}",
-                 ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
-  return ok
-
-
 def _per_call(recs, calls: int) -> None:
   """A loop record times `calls` calls: divide its times, scale its GB/s back up."""
   for r in recs:
@@ -336,8 +317,8 @@ def run(bench: harness.Bench) -> None:
     arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
                                      max_copies=2 if bench.quick else None)
     case_impls = [i for i in impls if not (case.quantized and i == ANCHOR)]
-    fns = _runnable(bench, {impl: make_fn(impl, case) for impl in case_impls}, arg_sets[0],
-                    case)
+    fns = bench.runnable(f"{case.op} {case.label()}",
+                         {impl: make_fn(impl, case) for impl in case_impls}, arg_sets[0])
     if not fns:
       del arg_sets
       continue

@@ -156,6 +156,25 @@ class Bench:
     print(f"  skipped {what}: {why}", flush=True)
     self.skipped.append(f"{what}: {why}")
 
+  def runnable(self, what: str, fns: dict, args: tuple) -> dict:
+    """The implementations of case `what` whose first call on args succeeds; each other one
+    is skipped with the first line of its error (out of memory, a shape a library refuses,
+    not built)."""
+    import jax
+
+    ok = {}
+    for impl, fn in fns.items():
+      try:
+        jax.block_until_ready(fn(*args))
+        ok[impl] = fn
+      except Exception as e:  # noqa: BLE001 (any failure of an implementation is a skip)
+        text = str(e).strip()
+        first = text.splitlines()[0] if text else ""
+        oom = "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower()
+        self.skip(f"{what} {impl}",
+                  ("out of memory: " if oom else f"{type(e).__name__}: ") + first[:160])
+    return ok
+
   def _fail(self, what: str, e: Exception) -> None:
     msg = f"{what}: {type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
     print(f"!! FAILED {msg}", file=sys.stderr, flush=True)
