@@ -18,6 +18,7 @@ from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # no
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
+from jaxgpu.ops.matmul import QuantizedWeight, linear, quantize_weight  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
 from jaxgpu.ops.softmax import softmax  # noqa: E402
@@ -27,6 +28,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "IMPLEMENTATIONS",
+    "QuantizedWeight",
     "available_implementations",
     "cross_entropy",
     "dot_product_attention",
@@ -34,9 +36,11 @@ __all__ = [
     "gelu",
     "implementation",
     "layer_norm",
+    "linear",
     "paged_attention",
     "paged_kv_update",
     "quantize_kv",
+    "quantize_weight",
     "relu",
     "rms_norm",
     "rope",

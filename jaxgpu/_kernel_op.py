@@ -53,6 +53,13 @@ sharding wins over other inputs'), and donating the input under jax.jit aliases 
 buffer end to end. The local_fn passes the pair to its jax.ffi.ffi_call as
 `input_output_aliases` (in its own operand order).
 
+Partial bodies. An output combined by SUM across shards must not have a nonlinear epilogue
+applied per shard (a row-parallel linear's bias and activation come after the all-reduce).
+An op with such an epilogue passes `partial=PartialBody(partial_fn, finish_fn)`: when the
+partitioner shards a factor that some output lacks, the per-shard body runs
+`partial_fn(*xs)` (the outputs before the epilogue), combines them, and returns
+`finish_fn(combined, *xs)`; otherwise `local_fn` runs as usual.
+
 For the ops' own code: `explicit_spec` and `in_explicit_mode` read an array's Explicit-mesh
 sharding (to reshape it without a relayout), `primal_types` and `match_primal_types` give
 cotangents their primals' types in a custom_vjp backward rule.
@@ -139,7 +146,18 @@ class Layout:
     return dict(self.combine).get(output, SUM)
 
 
-def grouped_call(local_fn: LocalFn, layout: Layout, *args: jax.Array) -> tuple[jax.Array, ...]:
+@dataclasses.dataclass(frozen=True)
+class PartialBody:
+  """What a partitioned body runs when an output is partial across shards (see the module
+  docstring): partial_fn(*xs) -> outputs before the epilogue; finish_fn(outputs, *xs) ->
+  the outputs, from the combined ones."""
+
+  partial_fn: LocalFn
+  finish_fn: Callable[..., tuple[jax.Array, ...]]
+
+
+def grouped_call(local_fn: LocalFn, layout: Layout, *args: jax.Array,
+                 partial: PartialBody | None = None) -> tuple[jax.Array, ...]:
   """Calls `local_fn(*args)` with the shared vmap and sharding rules.
 
   `local_fn` takes arrays of the shapes `layout` describes, with ANY group size and any
@@ -152,7 +170,7 @@ def grouped_call(local_fn: LocalFn, layout: Layout, *args: jax.Array) -> tuple[j
   """
   if len(args) != len(layout.inputs):
     raise ValueError(f"expected {len(layout.inputs)} arrays, got {len(args)}")
-  op = _batchable(local_fn, layout)
+  op = _batchable(local_fn, layout, partial)
   explicit = [explicit_spec(a) for a in args]
   if not any(any(ax is not None for ax in spec) for spec in explicit):
     return _match_varying(op(*args), args)
@@ -233,15 +251,15 @@ def match_primal_types(values, types):
   return tuple(out)
 
 
-def _batchable(local_fn: LocalFn, layout: Layout):
+def _batchable(local_fn: LocalFn, layout: Layout, partial: PartialBody | None = None):
   @jax.custom_batching.custom_vmap
   def op(*args):
-    return _partitioned(local_fn, layout, args)
+    return _partitioned(local_fn, layout, args, partial)
 
   @op.def_vmap
   def _vmap_rule(axis_size, in_batched, *args):
     folded = _fold_batch_into_groups(axis_size, in_batched, args, layout)
-    outs = grouped_call(local_fn, layout, *folded)
+    outs = grouped_call(local_fn, layout, *folded, partial=partial)
     outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
     return outs, tuple(True for _ in outs)
 
@@ -520,7 +538,7 @@ def _combine(plan: _Plan, outs, reduce_axes):
   return tuple(combined)
 
 
-def _partitioned(local_fn: LocalFn, layout: Layout, args):
+def _partitioned(local_fn: LocalFn, layout: Layout, args, partial: PartialBody | None = None):
   plan = _plan(local_fn, layout, args)
 
   @custom_partitioning
@@ -537,8 +555,13 @@ def _partitioned(local_fn: LocalFn, layout: Layout, args):
     auto = mesh.abstract_mesh.update_axis_types(
         {name: jax.sharding.AxisType.Auto for name in mesh.axis_names})
 
+    summed = any(axes and kind == SUM for axes, kind in zip(reduce_axes, plan.combine))
+
     def lower_fn(*xs):
       with jax.sharding.use_abstract_mesh(auto):
+        if partial is not None and summed:
+          outs = _combine(plan, tuple(partial.partial_fn(*xs)), reduce_axes)
+          return tuple(partial.finish_fn(outs, *xs))
         return _combine(plan, tuple(local_fn(*xs)), reduce_axes)
 
     return mesh, lower_fn, out_shardings, arg_shardings

@@ -1,0 +1,2 @@
+# The dense linear runs cuBLASLt through the shared plan cache (ffi/common/blas/).
+jaxgpu_cuda_link_libraries(jaxgpu_cublaslt)
