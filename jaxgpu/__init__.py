@@ -18,10 +18,11 @@ from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # no
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
-from jaxgpu.ops.matmul import QuantizedWeight, linear, quantize_weight  # noqa: E402
+from jaxgpu.ops.matmul import linear  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
 from jaxgpu.ops.softmax import softmax  # noqa: E402
+from jaxgpu.quantized import QuantizedWeight, quantize_weight  # noqa: E402
 from jaxgpu.reference.decode import quantize_kv  # noqa: E402
 
 __version__ = "0.1.0"

@@ -46,6 +46,10 @@ holds the same logical rows of each); a mesh axis that does not divide the block
 dropped (the factor is gathered over it). Shardy is told with compound factors: "(k k_x2)"
 for an array with twice the block count's rows, k being the major part.
 
+Sources. An output computed from some inputs only (a linear's bias gradient reads dz, not
+x) is partial only over the sharded factors of those: `Layout.sources` {output index:
+input indices} says so (unlisted outputs read every input).
+
 Aliases. `Layout.aliases` {input index: output index} marks an output written in place of
 an input (a KV-cache update). Both have the same factor string, so the output keeps the
 input's shape and sharding through vmap folding and partitioning (the aliased input's
@@ -101,7 +105,8 @@ class Layout:
     are SUM.
   blocked: factors whose arrays may hold them at different sizes (split block-wise).
   aliases: {input index: output index}, outputs written in place of inputs.
-  The two mappings are stored as sorted tuples of pairs, so a Layout stays hashable.
+  sources: {output index: input indices it is computed from} (unlisted: every input).
+  The mappings are stored as sorted tuples of pairs, so a Layout stays hashable.
   """
 
   inputs: tuple[str, ...]
@@ -110,10 +115,16 @@ class Layout:
   combine: Mapping[int, str | LseWeighted] | tuple = ()
   blocked: frozenset[str] = frozenset()
   aliases: Mapping[int, int] | tuple = ()
+  sources: Mapping[int, tuple[int, ...]] | tuple = ()
 
   def __post_init__(self):
     object.__setattr__(self, "combine", tuple(sorted(dict(self.combine).items())))
     object.__setattr__(self, "aliases", tuple(sorted(dict(self.aliases).items())))
+    object.__setattr__(self, "sources", tuple(sorted(
+        (o, tuple(ins)) for o, ins in dict(self.sources).items())))
+    for o, ins in self.sources:
+      if not 0 <= o < len(self.outputs) or not all(0 <= i < len(self.inputs) for i in ins):
+        raise ValueError(f"sources: output {o} or inputs {ins} out of range")
     kinds = dict(self.combine)
     for o, kind in kinds.items():
       if not 0 <= o < len(self.outputs):
@@ -144,6 +155,9 @@ class Layout:
 
   def combine_kind(self, output: int) -> str | LseWeighted:
     return dict(self.combine).get(output, SUM)
+
+  def output_sources(self, output: int) -> tuple[int, ...]:
+    return dict(self.sources).get(output, tuple(range(len(self.inputs))))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -349,6 +363,7 @@ class _Plan:
   blocks: tuple[tuple[str, int], ...]        # (blocked factor, block count)
   combine: tuple[str | LseWeighted, ...]     # per output
   aliased: tuple[int, ...]                   # inputs that an output aliases
+  sources: tuple[tuple[int, ...], ...]       # per output: the inputs it is computed from
 
   @property
   def order(self) -> tuple[int, ...]:
@@ -372,6 +387,11 @@ class _Plan:
 
     def dim(f, n, index):
       name = f"{f}_i{index}" if index is not None and f in owned else f
+      if f in blocks and blocks[f] <= 1 and n > 1:
+        # One block: the factor is never split, and its sizes differ across arrays; a
+        # compound with a unit major factor is invalid in Shardy, so name each size apart.
+        whole.add(f"{name}_n{n}")
+        return f"{name}_n{n}"
       if f not in blocks or n == blocks[f]:
         whole.add(name)
         return name
@@ -426,9 +446,9 @@ class _Plan:
 
     arg_shardings = tuple(sharding(f) for f in self.in_factors)
     out_shardings = tuple(sharding(f) for f in self.out_factors)
-    in_factor_set = {f for fs in self.in_factors for f in fs}
     reduce_axes = []
-    for factors in self.out_factors:
+    for factors, sources in zip(self.out_factors, self.sources):
+      in_factor_set = {f for i in sources for f in self.in_factors[i]}
       axes: list[str] = []
       for f in sorted(in_factor_set - set(factors)):
         if f in factor_axes:
@@ -477,6 +497,7 @@ def _plan(local_fn: LocalFn, layout: Layout, args) -> _Plan:
                                         in_shapes + out_shape_tuple).items())),
       combine=combine,
       aliased=tuple(i for i, _ in layout.aliases),
+      sources=tuple(layout.output_sources(o) for o in range(len(out_factors))),
   )
 
 

@@ -158,6 +158,13 @@ class OpSpec:
   # ids, and the pass its forward lowers to.
   variant: str = ""
   fwd_pass: str = "fwd"
+  # (the public function, **arrays and options) -> its outputs: how to call an op whose
+  # arguments are not all arrays (a QuantizedWeight built from the spec's arrays); None
+  # calls the function with the keywords as they are.
+  call: Callable | None = None
+  # The passes the gradient program lowers to besides the forward pass (None: every pass
+  # the op declares).
+  grad_passes: tuple | None = None
 
   @property
   def id(self) -> str:
@@ -178,16 +185,18 @@ class OpSpec:
   def fn(self):
     return getattr(jaxgpu, self.name)
 
+  def invoke(self, **kw):
+    """The op called with keyword arguments (arrays and options), through `call`."""
+    return self.fn()(**kw) if self.call is None else self.call(self.fn(), **kw)
+
 
 # ---- calling the op and the references alike -----------------------------------------------------
 
 
 def op_fn(spec: OpSpec, implementation, static: dict):
   """arrays -> tuple of outputs: the op under test."""
-  fn = spec.fn()
-
   def f(arrays):
-    out = fn(**arrays, **static, implementation=implementation)
+    out = spec.invoke(**arrays, **static, implementation=implementation)
     return out if isinstance(out, tuple) else (out,)
 
   return f

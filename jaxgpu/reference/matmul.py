@@ -45,15 +45,18 @@ def activate(z, activation):
   raise ValueError(f"activation: expected one of {ACTIVATIONS}, got {activation!r}")
 
 
-def matmul_f32(x, w):
-  """x @ w accumulated in float32 (full float32 precision for float32 inputs)."""
+def matmul_f32(x, w, out_sharding=None):
+  """x @ w accumulated in float32 (full float32 precision for float32 inputs).
+  out_sharding: the result's PartitionSpec on an Explicit mesh (jax asks for it when the
+  contracted dim is sharded)."""
   precision = jax.lax.Precision.HIGHEST if x.dtype == jnp.float32 else None
-  return jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=precision)
+  kw = {} if out_sharding is None else {"out_sharding": out_sharding}
+  return jnp.matmul(x, w, preferred_element_type=jnp.float32, precision=precision, **kw)
 
 
-def linear(x, w, bias=None, *, activation=None):
+def linear(x, w, bias=None, *, activation=None, out_sharding=None):
   """act(x @ w + bias): x (..., K), w (K, N), bias (N,); in x's dtype."""
-  z = matmul_f32(x, w)
+  z = matmul_f32(x, w, out_sharding)
   if bias is not None:
     z = z + bias.astype(jnp.float32)
   return activate(z, activation).astype(x.dtype)
