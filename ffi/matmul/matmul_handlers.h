@@ -34,44 +34,44 @@
 
 namespace jaxgpu {
 
-#define JAXGPU_LINEAR_FWD_BINDING(BIND)              \
-  BIND.Arg<::xla::ffi::AnyBuffer>()   /* x */        \
-      .Arg<::xla::ffi::AnyBuffer>()   /* w */        \
-      .Arg<::xla::ffi::AnyBuffer>()   /* bias */     \
-      .Ret<::xla::ffi::AnyBuffer>()   /* y */        \
-      .Ret<::xla::ffi::AnyBuffer>()   /* aux */      \
-      .Ret<::xla::ffi::AnyBuffer>()   /* workspace */ \
-      .Attr<int32_t>("epilogue")      /* epilogue */ \
-      .Attr<bool>("has_bias")         /* has_bias */ \
-      .Attr<bool>("want_aux")         /* want_aux */
+#define JAXGPU_LINEAR_FWD_BINDING(BIND)             \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */         \
+      .Arg<::xla::ffi::AnyBuffer>() /* w */         \
+      .Arg<::xla::ffi::AnyBuffer>() /* bias */      \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */         \
+      .Ret<::xla::ffi::AnyBuffer>() /* aux */       \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */ \
+      .Attr<int32_t>("epilogue")    /* epilogue */  \
+      .Attr<bool>("has_bias")       /* has_bias */  \
+      .Attr<bool>("want_aux")       /* want_aux */
 
-#define JAXGPU_LINEAR_DGRAD_BINDING(BIND)           \
-  BIND.Arg<::xla::ffi::AnyBuffer>()  /* dz */       \
-      .Arg<::xla::ffi::AnyBuffer>()  /* w */        \
-      .Ret<::xla::ffi::AnyBuffer>()  /* dx */       \
-      .Ret<::xla::ffi::AnyBuffer>()  /* workspace */
+#define JAXGPU_LINEAR_DGRAD_BINDING(BIND)    \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* dz */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* w */  \
+      .Ret<::xla::ffi::AnyBuffer>() /* dx */ \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */
 
-#define JAXGPU_LINEAR_WGRAD_BINDING(BIND)            \
-  BIND.Arg<::xla::ffi::AnyBuffer>()  /* x */         \
-      .Arg<::xla::ffi::AnyBuffer>()  /* dz */        \
-      .Ret<::xla::ffi::AnyBuffer>()  /* dw */        \
-      .Ret<::xla::ffi::AnyBuffer>()  /* dbias */     \
-      .Ret<::xla::ffi::AnyBuffer>()  /* workspace */ \
-      .Attr<bool>("want_dbias")      /* want_dbias */
+#define JAXGPU_LINEAR_WGRAD_BINDING(BIND)           \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */         \
+      .Arg<::xla::ffi::AnyBuffer>() /* dz */        \
+      .Ret<::xla::ffi::AnyBuffer>() /* dw */        \
+      .Ret<::xla::ffi::AnyBuffer>() /* dbias */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */ \
+      .Attr<bool>("want_dbias")     /* want_dbias */
 
-#define JAXGPU_QLINEAR_FWD_BINDING(BIND)               \
-  BIND.Arg<::xla::ffi::AnyBuffer>()   /* x */          \
-      .Arg<::xla::ffi::AnyBuffer>()   /* packed */     \
-      .Arg<::xla::ffi::AnyBuffer>()   /* scales */     \
-      .Arg<::xla::ffi::AnyBuffer>()   /* zeros */      \
-      .Arg<::xla::ffi::AnyBuffer>()   /* bias */       \
-      .Ret<::xla::ffi::AnyBuffer>()   /* y */          \
-      .Ret<::xla::ffi::AnyBuffer>()   /* workspace */  \
-      .Attr<int32_t>("bits")          /* bits */       \
-      .Attr<int32_t>("group_size")    /* group_size */ \
-      .Attr<int32_t>("activation")    /* activation */ \
-      .Attr<bool>("has_zeros")        /* has_zeros */  \
-      .Attr<bool>("has_bias")         /* has_bias */
+#define JAXGPU_QLINEAR_FWD_BINDING(BIND)             \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */          \
+      .Arg<::xla::ffi::AnyBuffer>() /* packed */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* scales */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* zeros */      \
+      .Arg<::xla::ffi::AnyBuffer>() /* bias */       \
+      .Ret<::xla::ffi::AnyBuffer>() /* y */          \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */  \
+      .Attr<int32_t>("bits")        /* bits */       \
+      .Attr<int32_t>("group_size")  /* group_size */ \
+      .Attr<int32_t>("activation")  /* activation */ \
+      .Attr<bool>("has_zeros")      /* has_zeros */  \
+      .Attr<bool>("has_bias")       /* has_bias */
 
 namespace matmul_detail {
 
@@ -222,9 +222,9 @@ inline ffi::Error MakeLinearWgradParams(ffi::AnyBuffer x, ffi::AnyBuffer dz,
   return ffi::Error::Success();
 }
 
-inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed,
-                                    ffi::AnyBuffer scales, ffi::AnyBuffer zeros,
-                                    ffi::AnyBuffer bias, ffi::Result<ffi::AnyBuffer>& y,
+inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                                    ffi::AnyBuffer zeros, ffi::AnyBuffer bias,
+                                    ffi::Result<ffi::AnyBuffer>& y,
                                     ffi::Result<ffi::AnyBuffer>& workspace, int32_t bits,
                                     int32_t group_size, int32_t activation, bool has_zeros,
                                     bool has_bias, DTypeSet x_dtypes, QLinearParams* p) {
@@ -234,8 +234,7 @@ inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed,
   JAXGPU_RETURN_IF_ERROR(PositiveK(p->k));
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits: expected 4 or 8");
   p->bits = bits;
-  if (group_size <= 0 || p->k % group_size != 0 ||
-      (group_size % 16 != 0 && group_size != p->k)) {
+  if (group_size <= 0 || p->k % group_size != 0 || (group_size % 16 != 0 && group_size != p->k)) {
     return ffi::Error::InvalidArgument(
         "group_size: must divide K and be a multiple of 16 or K itself");
   }
@@ -252,15 +251,14 @@ inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed,
   }
   JAXGPU_RETURN_IF_ERROR(ParamGroups(p->weight_groups, p->groups, "scales"));
   const auto pd = packed.dimensions();
-  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 ||
-      pd[0] != p->weight_groups || pd[1] != QTilesK(p->k) || pd[2] != QTilesN(p->n) ||
-      pd[3] != QWordsPerTile(bits)) {
+  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 || pd[0] != p->weight_groups ||
+      pd[1] != QTilesK(p->k) || pd[2] != QTilesN(p->n) || pd[3] != QWordsPerTile(bits)) {
     return ffi::Error::InvalidArgument(
         "packed: expected int32 (Gw, ceil(K / 64), ceil(N / 16), 32 * words per lane)");
   }
   if (has_zeros) {
-    JAXGPU_RETURN_IF_ERROR(CheckBuffer(zeros, ffi::DataType::U8,
-                                       p->weight_groups * scale_rows * p->n, "zeros"));
+    JAXGPU_RETURN_IF_ERROR(
+        CheckBuffer(zeros, ffi::DataType::U8, p->weight_groups * scale_rows * p->n, "zeros"));
   } else if (zeros.element_count() != 0) {
     return ffi::Error::InvalidArgument("zeros: must be empty when has_zeros is false");
   }

@@ -28,9 +28,7 @@ ffi::Error BlasError(const blas::Status& s, const char* what) {
   return ffi::Error::Internal(std::string(what) + ": " + s.message());
 }
 
-ffi::Error Device(int* device) {
-  return CudaStatus(cudaGetDevice(device), "cudaGetDevice");
-}
+ffi::Error Device(int* device) { return CudaStatus(cudaGetDevice(device), "cudaGetDevice"); }
 
 const char* Offset(const void* p, int64_t elements, DType t) {
   return static_cast<const char*>(p) + DTypeBytes(t, elements);
@@ -176,8 +174,8 @@ ffi::Error QlinearFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
                           bool has_bias) {
   QLinearParams p;
   JAXGPU_RETURN_IF_ERROR(MakeQLinearParams(x, packed, scales, zeros, bias, y, workspace, bits,
-                                           group_size, activation, has_zeros, has_bias,
-                                           kHalfDTypes, &p));
+                                           group_size, activation, has_zeros, has_bias, kHalfDTypes,
+                                           &p));
   if (p.m == 0 || p.n == 0 || p.groups == 0) return ffi::Error::Success();
   return CudaStatus(cuda::LaunchQLinear(p, stream), "qlinear launch");
 }

@@ -4,10 +4,10 @@
 #include "common/targets.h"
 
 // linear: the dense GEMMs (cuBLASLt on CUDA); qlinear: the weight-only quantized forward.
-#define JAXGPU_MATMUL_TARGETS(X)                        \
-  X("jaxgpu_linear_fwd", JaxgpuLinearFwd)               \
-  X("jaxgpu_linear_dgrad", JaxgpuLinearDgrad)           \
-  X("jaxgpu_linear_wgrad", JaxgpuLinearWgrad)           \
+#define JAXGPU_MATMUL_TARGETS(X)              \
+  X("jaxgpu_linear_fwd", JaxgpuLinearFwd)     \
+  X("jaxgpu_linear_dgrad", JaxgpuLinearDgrad) \
+  X("jaxgpu_linear_wgrad", JaxgpuLinearWgrad) \
   X("jaxgpu_qlinear_fwd", JaxgpuQlinearFwd)
 
 JAXGPU_MATMUL_TARGETS(JAXGPU_DECLARE_HANDLERS)

@@ -67,22 +67,22 @@ enum class QActivation : int32_t {
 };
 
 struct QLinearParams {
-  DType dtype;  // T: of x, scales, bias and y (bf16 or f16 on CUDA; also f32 on the CPU)
-  int bits;     // 4 or 8
+  DType dtype;            // T: of x, scales, bias and y (bf16 or f16 on CUDA; also f32 on the CPU)
+  int bits;               // 4 or 8
   int64_t groups;         // G: x (G, M, K), y (G, M, N)
   int64_t weight_groups;  // Gw: 1 (shared) or G, for packed, scales and zeros
   int64_t bias_groups;    // 1 or G; 0 without bias
   int64_t m, k, n;
   int64_t group_size;  // k per scale row
   QActivation activation;
-  const void* x;               // (G, M, K) T
-  const int32_t* packed;       // (Gw, KT, NT, QWordsPerTile(bits)) int32
-  const void* scales;          // (Gw, K / group_size, N) T
-  const uint8_t* zeros;        // (Gw, K / group_size, N) uint8, or null (midpoint)
-  const void* bias;            // (bias_groups, N) T, or null
-  void* y;                     // (G, M, N) T
-  float* workspace;            // split-K partial sums (CUDA), or null
-  int64_t workspace_floats;    // its size: the launcher uses at most this many
+  const void* x;             // (G, M, K) T
+  const int32_t* packed;     // (Gw, KT, NT, QWordsPerTile(bits)) int32
+  const void* scales;        // (Gw, K / group_size, N) T
+  const uint8_t* zeros;      // (Gw, K / group_size, N) uint8, or null (midpoint)
+  const void* bias;          // (bias_groups, N) T, or null
+  void* y;                   // (G, M, N) T
+  float* workspace;          // split-K partial sums (CUDA), or null
+  int64_t workspace_floats;  // its size: the launcher uses at most this many
 };
 
 inline int64_t QTilesK(int64_t k) { return (k + kQTileK - 1) / kQTileK; }

@@ -12,7 +12,8 @@ needs, GELU_AUX); the backward pass is the activation's derivative (one elementw
 fusion; relu reads its mask from y) and two cuBLASLt calls: dx = dz w^T, and dw = x^T dz
 with the bias gradient fused in (BGRADA). cuBLASLt has no exact-gelu or silu epilogue:
 those run the GEMM with its bias epilogue and the activation as an XLA fusion (also the
-tanh gelu when N is not a multiple of 8, which GELU_AUX needs). Float32 inputs are
+tanh gelu when N is not a multiple of 8, which GELU_AUX needs, and in float32, where
+cuBLASLt's gelu is less accurate than float32 rounding). Float32 inputs are
 multiplied in full float32 (cuBLASLt's 32F compute, not TF32).
 
 Quantized. ``linear(x, qw)`` with a `QuantizedWeight` (`quantize_weight`, or
@@ -197,16 +198,20 @@ def _wgrad_call(cfg: _Config, x, dz, want_dbias: bool):
 # ---- the dense differentiable op -------------------------------------------------------------
 
 
-def _fused(cfg: _Config, n: int) -> bool:
-  """Whether cuBLASLt's epilogue applies the activation (else an XLA fusion after it)."""
-  return cfg.activation in (None, "relu") or (cfg.activation == "gelu" and n % 8 == 0)
+def _fused(cfg: _Config, n: int, dtype) -> bool:
+  """Whether cuBLASLt's epilogue applies the activation (else an XLA fusion after it).
+  cuBLASLt's gelu is a fast approximation of the tanh form, good to the last bit of a
+  16-bit result but measured 4e-6 off in float32 (5x the rounding of float32): float32
+  takes the XLA fusion."""
+  return cfg.activation in (None, "relu") or (
+      cfg.activation == "gelu" and n % 8 == 0 and jnp.dtype(dtype) != jnp.float32)
 
 
 def _forward(cfg: _Config, x, w, bias, for_grad: bool):
   """(y, saved): saved is what the activation's derivative reads (None, y or z)."""
   xg, wg, bg = x[None], w[None], None if bias is None else bias[None]
   act = cfg.activation
-  if _fused(cfg, w.shape[-1]):
+  if _fused(cfg, w.shape[-1], x.dtype):
     want_aux = for_grad and act == "gelu"
     outs = _fwd_call(cfg, xg, wg, bg, act, want_aux)
     y = outs[0][0]

@@ -9,6 +9,7 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   train.py     AdamW, init_opt_state, opt_state_specs, train_step
   generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache,
                PagedCache (the paged KV cache), resolve_cache
+  quantize.py  quantize_params: int8 / int4 projection weights for generation
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
   checkpoint.py  load_hf_checkpoint, save_hf_checkpoint, config_from_hf, hf_config_from
 """
@@ -21,6 +22,7 @@ from jaxgpu.models.gemma.generate import (GenerateOutput, PagedCache, Sampling, 
                                           resolve_cache, sample)
 from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
+from jaxgpu.models.gemma.quantize import quantize_params
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
                                           shard_batch, shard_params)
 from jaxgpu.models.gemma.train import AdamW, init_opt_state, opt_state_specs, train_step
@@ -49,6 +51,7 @@ __all__ = [
     "param_shapes",
     "param_shardings",
     "param_specs",
+    "quantize_params",
     "prefill",
     "resolve_cache",
     "sample",

@@ -133,14 +133,28 @@ def paged_attention(q, k_pages, v_pages, block_table, lengths, *, config: Config
       implementation=implementation)
 
 
+def project(x, w, equation: str, out_dims: tuple[int, ...], contracted: int, implementation):
+  """x contracted with a projection weight: jnp.einsum(equation, x, w) for a dense w; for
+  a jaxgpu.QuantizedWeight (quantize.py), jaxgpu.linear over x's last `contracted` dims
+  flattened, the result reshaped to (..., *out_dims)."""
+  if isinstance(w, jaxgpu.QuantizedWeight):
+    lead = x.shape[:x.ndim - contracted]
+    y = jaxgpu.linear(x.reshape(lead + (-1,)), w, implementation=implementation)
+    return y.reshape(lead + tuple(out_dims))
+  return jnp.einsum(equation, x, w)
+
+
 def mlp(p, y, config: Config, implementation, mesh=None):
   """down(gelu_tanh(y @ gate) * (y @ up)) for y (B, T, D)."""
   ffn = sharding.MODEL if sharding.ffn_sharded(config, mesh) else None
   batch = sharding.batch_axis(mesh)
-  gate = sharding.constrain(jnp.einsum("btd,df->btf", y, p["gate"]), mesh, batch, None, ffn)
-  up = sharding.constrain(jnp.einsum("btd,df->btf", y, p["up"]), mesh, batch, None, ffn)
+  f, d = config.ffn_dim, config.d_model
+  gate = project(y, p["gate"], "btd,df->btf", (f,), 1, implementation)
+  up = project(y, p["up"], "btd,df->btf", (f,), 1, implementation)
+  gate = sharding.constrain(gate, mesh, batch, None, ffn)
+  up = sharding.constrain(up, mesh, batch, None, ffn)
   a = jaxgpu.geglu(gate, up, approximate=True, implementation=implementation)
-  return jnp.einsum("btf,fd->btd", a, p["down"])
+  return project(a, p["down"], "btf,fd->btd", (d,), 1, implementation)
 
 
 def block(p, h, d, positions, *, attend, config: Config, layer: int, implementation,
@@ -169,9 +183,10 @@ def block(p, h, d, positions, *, attend, config: Config, layer: int, implementat
     y = rms_norm(h, p["attn_pre_norm"], config, impl)
   else:
     y, h = rms_norm(d, p["attn_pre_norm"], config, impl, residual=h)
-  q = jnp.einsum("btd,dnh->btnh", y, p["q"])
-  k = jnp.einsum("btd,dkh->btkh", y, p["k"])
-  v = jnp.einsum("btd,dkh->btkh", y, p["v"])
+  n, kv, hd = config.n_heads, config.n_kv_heads, config.head_dim
+  q = project(y, p["q"], "btd,dnh->btnh", (n, hd), 1, impl)
+  k = project(y, p["k"], "btd,dkh->btkh", (kv, hd), 1, impl)
+  v = project(y, p["v"], "btd,dkh->btkh", (kv, hd), 1, impl)
   if config.qk_norm:
     q = rms_norm(q, p["q_norm"], config, impl)
     k = rms_norm(k, p["k_norm"], config, impl)
@@ -180,7 +195,8 @@ def block(p, h, d, positions, *, attend, config: Config, layer: int, implementat
   heads = sharding.MODEL if sharding.heads_sharded(config, mesh) else None
   q = sharding.constrain(q, mesh, sharding.batch_axis(mesh), None, heads, None)
   o, extra = attend(q, k, v)
-  a = rms_norm(jnp.einsum("btnh,nhd->btd", o, p["o"]), p["attn_post_norm"], config, impl)
+  attn = project(o, p["o"], "btnh,nhd->btd", (config.d_model,), 2, impl)
+  a = rms_norm(attn, p["attn_post_norm"], config, impl)
   y, h = rms_norm(a, p["mlp_pre_norm"], config, impl, residual=h)
   d = rms_norm(mlp(p, y, config, impl, mesh), p["mlp_post_norm"], config, impl)
   return h, d, extra

@@ -21,6 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
+import jaxgpu
+from jaxgpu.models.gemma import quantize
 from jaxgpu.models.gemma.config import Config
 
 NORMS = ("attn_pre_norm", "attn_post_norm", "mlp_pre_norm", "mlp_post_norm")
@@ -92,9 +94,17 @@ def check_params(params, config: Config) -> None:
     got = len(layers) if isinstance(layers, (list, tuple)) else type(layers).__name__
     raise ValueError(f"params['layers']: expected a list of {config.n_layers} layers, got {got}")
 
-  def check(path, a, shape):
+  def check(path, a, shape, name=None):
     if a is None:
       raise ValueError(f"params{path}: missing")
+    if isinstance(a, jaxgpu.QuantizedWeight) and name in quantize.CONTRACTED:
+      # A quantized projection (quantize.py): its matrix form, scales in the params' dtype.
+      shape, a = quantize.matrix_shape(name, shape), a.scales
+      if tuple(a.shape[1:]) != shape[1:]:
+        raise ValueError(f"params{path}: expected a quantized {shape} matrix")
+      if a.dtype != dtype:
+        raise ValueError(f"params{path}: expected scales of dtype {dtype}, got {a.dtype}")
+      return
     if tuple(a.shape) != shape:
       raise ValueError(f"params{path}: expected shape {shape}, got {tuple(a.shape)}")
     if a.dtype != dtype:
@@ -108,4 +118,4 @@ def check_params(params, config: Config) -> None:
     if extra:
       raise ValueError(f"params['layers'][{i}]: unexpected entries {sorted(extra)}")
     for name, shape in shapes.items():
-      check(f"['layers'][{i}][{name!r}]", layer.get(name), shape)
+      check(f"['layers'][{i}][{name!r}]", layer.get(name), shape, name)

@@ -1,0 +1,27 @@
+// The CUDA launcher of the weight-only quantized linear layer (qlinear_kernels.cu): int4 or
+// int8 weights in the packed layout of qlinear_params.h, bf16 or f16 activations. No XLA
+// types.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include <cstdint>
+
+#include "matmul/qlinear_params.h"
+
+namespace jaxgpu::cuda {
+
+// y = act(x w + bias) (qlinear_params.h's math) on `stream`: one kernel, plus a small
+// reduction kernel when K is split across blocks (split-K partial sums go to p.workspace,
+// float32, at most p.workspace_floats of them; any size >= 0 works, a smaller one means
+// fewer splits, 0 none). p.dtype must be bf16 or f16 (cudaErrorInvalidValue otherwise),
+// p.bits 4 or 8, p.packed 16-byte aligned. No allocation, no synchronization, no copies:
+// safe inside CUDA graph capture. Results are bitwise reproducible run to run.
+cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
+
+// The float32 workspace LaunchQLinear can use for (groups, m, n) outputs: at most 32
+// splits of groups x m x n partial sums, capped at 2^22 floats (16 MiB); 0 for an empty
+// output. Passing less is allowed (fewer splits).
+int64_t QLinearWorkspaceFloats(int64_t groups, int64_t m, int64_t n);
+
+}  // namespace jaxgpu::cuda

@@ -1,0 +1,792 @@
+// Weight-only quantized linear layer: y = act(x w + bias) with int4 or int8 weights in the
+// packed mma layout of qlinear_params.h and bf16 / f16 activations.
+//
+// Why this shape. For the small M this kernel serves (decode, M <= 64) the layer reads
+// each weight byte once and does 2 M multiply-adds per weight: memory-bound, so the whole
+// design is about streaming the packed weights from HBM at the copy rate (~3 TB/s on an
+// H100) while keeping the per-byte instruction count low enough to hide under it.
+//
+// Mapping. A block (8 warps) owns kNB = 8 x kNWT n-tiles (16 features each), one chunk of
+// kMT tokens and one split of the k tiles. Warp w owns n-tiles kNWT w .. kNWT w + kNWT - 1
+// for every k of the split (kNWT = 1 at kMT = 8, 2 at kMT >= 16: the B fragments are
+// shared by the warp's n-tiles). The packed weights of one k tile and the block's n-tiles
+// are kNB x 512 (int4) or x 1024 (int8) contiguous bytes, so a pipeline stage (kKS k
+// tiles, 16 KiB of weights) is kKS contiguous runs, copied with 16-byte cp.async (4 per
+// thread) into a ring of kStages stages. Each stage also holds the x slice (kMT tokens x
+// 64 kKS k, zero past K and past M, read as mma B fragments with ldmatrix) and the scale
+// and zero rows the stage's k range touches (at most 2 or 3 rows for group_size >= 128).
+// Measured (H100, int4 8192 x 28672, M = 1): 3, 4 or 5 stages at 2 blocks per SM ran
+// alike (85 us); 2 stages at 4 blocks per SM with twice the blocks (split-K) as fast or
+// faster, so the small token tiles use 2 stages and 3-4 resident blocks per SM.
+//
+// Dequantization in registers, exact but for the one rounding of the header's math:
+//   int4: (word >> 4i) & 0x000f000f | magic gives two 16-bit values magic + q (bf16
+//         0x4300 = 128, f16 0x6400 = 1024: q fills the low mantissa bits), one fma
+//         subtracts magic + z exactly (a small integer), one fma multiplies by the scale
+//         (the single rounding to T): 2 HFMA2 + 1 or 2 integer ops per bf16x2 register.
+//   int8 f16: byte permutes under the 0x64 exponent byte (1024 + q), then the same two fmas.
+//   int8 bf16: bf16 has 8 significant bits, so 128 + q (q < 256) is not exact in it; each
+//         byte goes under the float 0x4b000000 exponent (2^23 + q), one FADD gives q - z
+//         exactly, one FMUL the product (exact in float: 9 x 8 significant bits), and one
+//         cvt.rn.bf16x2 rounds the pair once.
+// The A fragment is the dequantized 16 x 16 weight tile; B is x^T (16 k x 8 tokens) from
+// shared memory; D float32. The packed layout gives each lane exactly its A fragments, so
+// no shuffles or shared-memory transposes are needed: one LDS.128 per lane per tile (int4).
+//
+// Split-K. The blocks of (n-blocks x m-chunks x groups) are multiplied by a K split so
+// that they fill the resident block slots of the GPU in one wave (ChooseSplits; e.g. 2
+// splits for 8192 x 28672 at M = 1, 8 for 28672 x 8192): the partial sums go to a float32
+// workspace and a second small kernel sums the splits in a fixed order, adds bias, applies
+// the activation and rounds once: bitwise deterministic. Without a split the main kernel
+// finishes the output itself.
+//
+// Where the time goes (H100, int4 g128 8192 x 28672, M = 1, 72 us = 1.7 TB/s; Nsight
+// Compute): issue-bound, not memory-bound. 35.7 M warp instructions (~156 per 512-byte
+// warp tile: ~60 dequantization, 4 MMA, 3 shared loads, the rest copies, addressing and
+// loop/barrier overhead), issue active 71% of cycles with warps ready but not selected,
+// ALU pipe 49% and FMA pipe 44% busy, DRAM 48%. The copy pipeline alone (no math) reads
+// at 2.55 TB/s. Reaching the ~41 us copy-rate bound needs ~35% fewer instructions per
+// byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
+// int4 widening), not deeper pipelines.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cmath>
+#include <cstdint>
+#include <type_traits>
+
+#include "common/cuda_dispatch.cuh"
+#include "common/cuda_utils.cuh"
+#include "common/fast_div.cuh"
+#include "matmul/qlinear_cuda.h"
+#include "matmul/qlinear_params.h"
+
+namespace jaxgpu::cuda {
+namespace qlinear {
+namespace {
+
+// Build-time knobs for tuning runs (tools/qlinear_check.cu); the defaults are the measured
+// best on the H100 (int4 g128, 8192 x 28672: M = 16 88 us with kNWT = 2 at 3 blocks/SM
+// against 100 us with kNWT = 1 at 4 blocks/SM; M = 1 72 us either way).
+#ifndef JAXGPU_QLINEAR_STAGE_BYTES
+#define JAXGPU_QLINEAR_STAGE_BYTES 16384
+#endif
+#ifndef JAXGPU_QLINEAR_STAGES
+#define JAXGPU_QLINEAR_STAGES 2
+#endif
+#ifndef JAXGPU_QLINEAR_NWT8
+#define JAXGPU_QLINEAR_NWT8 1
+#endif
+#ifndef JAXGPU_QLINEAR_NWT16
+#define JAXGPU_QLINEAR_NWT16 2
+#endif
+#ifndef JAXGPU_QLINEAR_MIN_BLOCKS8
+#define JAXGPU_QLINEAR_MIN_BLOCKS8 4
+#endif
+#ifndef JAXGPU_QLINEAR_MIN_BLOCKS16
+#define JAXGPU_QLINEAR_MIN_BLOCKS16 3
+#endif
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+constexpr int kStageWeightBytes = JAXGPU_QLINEAR_STAGE_BYTES;  // packed weight bytes per stage
+constexpr int kMaxSplits = 32;
+constexpr int64_t kMaxWorkspaceFloats = int64_t(1) << 22;
+constexpr int kMaxDevices = 64;
+
+template <int kBits, int kMT>
+struct Config {
+  static constexpr int kNWT = kMT >= 32   ? 2
+                              : kMT == 16 ? JAXGPU_QLINEAR_NWT16
+                                          : JAXGPU_QLINEAR_NWT8;
+  static constexpr int kNB = kWarps * kNWT;                   // n-tiles per block
+  static constexpr int kFeat = kNB * kQTileN;                 // features per block
+  static constexpr int kWordsPerTile = QWordsPerTile(kBits);  // host constexpr: a constant here
+  static constexpr int kTileBytes = kWordsPerTile * 4;
+  static constexpr int kChunksPerTile = kTileBytes / 16;
+  static constexpr int kKS = kStageWeightBytes / (kNB * kTileBytes);  // k tiles per stage
+  static constexpr int kStages = kMT >= 32 ? 3 : JAXGPU_QLINEAR_STAGES;
+  // Resident blocks per SM asked of the register allocator (__launch_bounds__): 4 (<= 64
+  // registers) at kMT = 8, 3 (<= 80) at kMT = 16; the 64+ accumulators of kMT >= 32 need
+  // more than 128 registers, so 1. (sm_80 builds ask for at most 2: no spills there.)
+  static constexpr int kMinBlocks = kMT >= 32   ? 1
+                                    : kMT == 16 ? JAXGPU_QLINEAR_MIN_BLOCKS16
+                                                : JAXGPU_QLINEAR_MIN_BLOCKS8;
+  static constexpr int kXStride = kKS * kQTileK + 8;  // elements: odd 16-byte chunks per row
+  static constexpr int kXBytes = kMT * kXStride * 2;
+  static constexpr int kOutStride = kFeat + 4;  // floats: conflict-free fragment stores
+  static constexpr int kOutBytes = kMT * kOutStride * 4;
+  static constexpr int kMaxRows = kKS * 4;  // scale rows a stage can touch (one per k16 step)
+  static_assert(kKS >= 1 && kKS * kNB * kTileBytes == kStageWeightBytes, "whole tiles");
+  static_assert(kStageWeightBytes / 16 % kThreads == 0, "equal copy work per thread");
+};
+
+__host__ __device__ constexpr int Align16(int bytes) { return (bytes + 15) / 16 * 16; }
+
+// Shared-memory bytes of one stage for `rows` scale rows per stage.
+template <int kBits, int kMT>
+__host__ __device__ constexpr int StageBytes(int rows) {
+  using C = Config<kBits, kMT>;
+  return kStageWeightBytes + C::kXBytes + Align16(rows * C::kFeat * 2) + Align16(rows * C::kFeat);
+}
+
+struct Args {
+  QLinearParams p;
+  int64_t kt, nt;  // k tiles, n tiles
+  int nblocks;     // n-blocks of kNB tiles
+  int mchunks;     // token chunks of kMT
+  int splits;      // k splits (1: the main kernel writes y)
+  int tiles_per_split;
+  int scale_rows;           // K / group_size
+  int stage_rows;           // scale rows reserved per stage
+  int stage_bytes;          // bytes per stage (16-aligned)
+  FastDiv steps_per_group;  // group_size / 16 (unused when scale_rows == 1)
+  bool fast_x;              // x rows 16-byte aligned (K % 8 == 0, aligned base): cp.async
+  bool fast_s;              // scale / zero rows 16 / 8-byte aligned (N % 8 == 0): cp.async
+};
+
+// The scale row of the k16 step j (k = 16 j ..): j / (group_size / 16), clamped so that
+// the padding past K belongs to the last group; one row when group_size == K.
+__device__ __forceinline__ int GroupOf(const Args& a, int j) {
+  if (a.scale_rows == 1) return 0;
+  const int r = int(Div(a.steps_per_group, uint32_t(j)));
+  return r < a.scale_rows - 1 ? r : a.scale_rows - 1;
+}
+
+__device__ __forceinline__ void CpAsync(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void CpAsync8(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 8, %2;\n" ::"r"(dst), "l"(src),
+               "r"(valid ? 8 : 0)
+               : "memory");
+}
+__device__ __forceinline__ uint32_t Smem(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+template <typename T>
+constexpr bool kIsBf16 = std::is_same_v<T, __nv_bfloat16>;
+
+// d = a b + c on 16-bit pairs, rounded once (round to nearest even, subnormals kept).
+template <typename T>
+__device__ __forceinline__ uint32_t Fma2(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t d;
+  if constexpr (kIsBf16<T>) {
+    asm("fma.rn.bf16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  } else {
+    asm("fma.rn.f16x2 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(c));
+  }
+  return d;
+}
+
+__device__ __forceinline__ uint32_t Prmt(uint32_t a, uint32_t b, uint32_t sel) {
+  uint32_t d;
+  asm("prmt.b32 %0, %1, %2, %3;\n" : "=r"(d) : "r"(a), "r"(b), "r"(sel));
+  return d;
+}
+
+// (a & mask) | magic in one LOP3 (with two immediates the compiler emits two).
+__device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t mask, uint32_t magic) {
+  uint32_t d;
+  asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(magic));
+  return d;
+}
+
+template <typename T>
+__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
+                                    uint32_t b1) {
+  if constexpr (kIsBf16<T>) {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  } else {
+    asm volatile(
+        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+        "{%8,%9}, {%0,%1,%2,%3};\n"
+        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+  }
+}
+
+__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr));
+}
+
+// Dequantization of one lane's A fragments. The per-(feature, group) constants of a lane's
+// two features (g and g + 8 of its n-tile, h = 0 and 1):
+//   16-bit paths: neg[h] = -(magic + z) and scale[h] = s, each as a 16-bit pair;
+//   int8 bf16:    negf[h] = -(2^23 + z) and scalef[h] = s, float.
+template <typename T, int kBits>
+struct Dequant {
+  static constexpr bool kFloatPath = kBits == 8 && kIsBf16<T>;
+  static constexpr int kMid = 1 << (kBits - 1);
+  __host__ __device__ static constexpr uint32_t Magic() {
+    return kIsBf16<T> ? 0x4300u : 0x6400u;
+  }  // 128 / 1024
+  __host__ __device__ static constexpr uint32_t One2() {
+    return kIsBf16<T> ? 0x3f803f80u : 0x3c003c00u;
+  }
+
+  uint32_t neg[2], scale[2];
+  float negf[2], scalef[2];
+
+  // s_row / z_row: the stage's scale / zero row of the block; f: feature of h = 0.
+  __device__ __forceinline__ void Load(const uint16_t* s_row, const uint8_t* z_row, int f,
+                                       bool has_zeros) {
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const uint32_t s = s_row[f + 8 * h];
+      const uint32_t z = has_zeros ? uint32_t(z_row[f + 8 * h]) : uint32_t(kMid);
+      if constexpr (kFloatPath) {
+        scalef[h] = __uint_as_float(s << 16);
+        negf[h] = -(8388608.f + float(z));
+      } else {
+        scale[h] = s * 0x10001u;
+        neg[h] = ((Magic() + z) * 0x10001u) ^ 0x80008000u;
+      }
+    }
+  }
+
+  // The four A registers of k16 step s from the lane's raw words (int4: w[0..3] = the
+  // tile's 16 bytes; int8: w[0..7], re-ordered by the copy so that w[0..3] is bytes 0..15).
+  __device__ __forceinline__ void Step(uint32_t (&a)[4], const uint32_t* w, int s) const {
+    if constexpr (kBits == 4) {
+      const uint32_t word = w[s];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        const uint32_t v = AndOr(word >> (4 * i), 0x000f000fu, Magic() * 0x10001u);
+        a[i] = Fma2<T>(Fma2<T>(v, One2(), neg[i & 1]), scale[i & 1], 0x80008000u);
+      }
+    } else {
+#pragma unroll
+      for (int kh = 0; kh < 2; ++kh) {
+        const uint32_t word = w[2 * s + kh];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if constexpr (kFloatPath) {
+            const float lo = __uint_as_float(Prmt(word, 0x4b000000u, 0x7440u + 2 * h));
+            const float hi = __uint_as_float(Prmt(word, 0x4b000000u, 0x7441u + 2 * h));
+            const float plo = __fmul_rn(__fadd_rn(lo, negf[h]), scalef[h]);
+            const float phi = __fmul_rn(__fadd_rn(hi, negf[h]), scalef[h]);
+            uint32_t d;
+            asm("cvt.rn.bf16x2.f32 %0, %1, %2;\n" : "=r"(d) : "f"(phi), "f"(plo));
+            a[2 * kh + h] = d;
+          } else {
+            const uint32_t v = Prmt(word, 0x64646464u, h == 0 ? 0x4140u : 0x4342u);
+            a[2 * kh + h] = Fma2<T>(Fma2<T>(v, One2(), neg[h]), scale[h], 0x80008000u);
+          }
+        }
+      }
+    }
+  }
+};
+
+__device__ __forceinline__ float Activate(float v, QActivation act) {
+  switch (act) {
+    case QActivation::kRelu: return v > 0.f ? v : 0.f;
+    case QActivation::kGeluTanh: {
+      const float u = 0.7978845608028654f * (v + 0.044715f * v * v * v);
+      return 0.5f * v * (1.f + tanhf(u));
+    }
+    case QActivation::kGeluErf: return 0.5f * v * (1.f + erff(v * 0.7071067811865476f));
+    case QActivation::kSilu: return v / (1.f + expf(-v));
+    default: return v;
+  }
+}
+
+template <typename T>
+__device__ __forceinline__ float Finish(const QLinearParams& p, float v, int64_t g, int64_t n) {
+  if (p.bias != nullptr) {
+    const int64_t bg = p.bias_groups == 1 ? 0 : g;
+    v += ToFloat(static_cast<const T*>(p.bias)[bg * p.n + n]);
+  }
+  return Activate(v, p.activation);
+}
+
+// The blocks per SM __launch_bounds__ asks for: Config::kMinBlocks on sm_90, at most 2 on
+// older GPUs (their 64-register budget at 4 blocks spilled).
+template <int kBits, int kMT>
+__host__ __device__ constexpr int LaunchMinBlocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return Config<kBits, kMT>::kMinBlocks < 2 ? Config<kBits, kMT>::kMinBlocks : 2;
+#else
+  return Config<kBits, kMT>::kMinBlocks;
+#endif
+}
+
+template <typename T, int kBits, int kMT, bool kTileGroups>
+__global__ void __launch_bounds__(kThreads, (LaunchMinBlocks<kBits, kMT>()))
+    QLinearKernel(const Args a) {
+  using C = Config<kBits, kMT>;
+  using D = Dequant<T, kBits>;
+  constexpr int kNWT = C::kNWT, kNB = C::kNB, kKS = C::kKS, kStages = C::kStages;
+  constexpr int kTG = kMT / 8;  // token groups of 8 (mma n)
+  extern __shared__ __align__(16) unsigned char smem[];
+  const QLinearParams& p = a.p;
+
+  int64_t bid = blockIdx.x;
+  const int mc = int(bid % a.mchunks);
+  bid /= a.mchunks;
+  const int nb = int(bid % a.nblocks);
+  bid /= a.nblocks;
+  const int split = int(bid % a.splits);
+  const int64_t g = bid / a.splits;
+  const int64_t gw = p.weight_groups == 1 ? 0 : g;
+  const int64_t M = p.m, K = p.k, N = p.n;
+  const int64_t KT = a.kt, NT = a.nt;
+  const int m0 = mc * kMT;
+  const int mvalid = int(M - m0 < kMT ? M - m0 : kMT);
+  const int64_t nt0 = int64_t(nb) * kNB;
+  const int64_t n0 = nt0 * kQTileN;
+  const int kt0 = split * a.tiles_per_split;
+  const int kt_end = int(kt0 + a.tiles_per_split < KT ? kt0 + a.tiles_per_split : KT);
+  const int num_stages = (kt_end - kt0 + kKS - 1) / kKS;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int scale_off = kStageWeightBytes + C::kXBytes;
+  const int zero_off = scale_off + Align16(a.stage_rows * C::kFeat * 2);
+  const bool has_zeros = p.zeros != nullptr;
+
+  const int32_t* wg = p.packed + gw * KT * NT * C::kWordsPerTile;
+  const T* xg = static_cast<const T*>(p.x) + (g * M + m0) * K;
+  const int64_t R = a.scale_rows;
+  const uint16_t* sg = static_cast<const uint16_t*>(p.scales) + gw * R * N + n0;
+  const uint8_t* zg = has_zeros ? p.zeros + gw * R * N + n0 : nullptr;
+
+  // Issues the copies of stage `st` (k tiles kt0 + kKS st ..) into its ring slot.
+  // Per-thread weight copy slots: pass i copies chunk tid + 256 i of the stage (run kk_i,
+  // tile tile_i); its shared-memory offset and whether the tile exists are fixed per block.
+  constexpr int kRunChunks = kNB * C::kChunksPerTile;  // chunks per k tile: a multiple of 256
+  constexpr int kPasses = kStageWeightBytes / 16 / kThreads;
+  static_assert(kRunChunks % kThreads == 0, "a pass copies within one run");
+  const int64_t row_words = NT * C::kWordsPerTile;  // words per k tile (all n-tiles)
+  const int32_t* w_thread = wg + nt0 * C::kWordsPerTile + threadIdx.x * 4;
+  int dst_off[kPasses];
+  uint32_t tile_ok = 0;
+#pragma unroll
+  for (int i = 0; i < kPasses; ++i) {
+    const int kk = i * kThreads / kRunChunks;
+    const int r = threadIdx.x + (i * kThreads) % kRunChunks;
+    const int tile = r / C::kChunksPerTile;
+    int dst_chunk = threadIdx.x + i * kThreads;
+    if constexpr (kBits == 8) {
+      // An int8 lane's 32 bytes land as two 16-byte halves 512 bytes apart, so that the
+      // lanes' LDS.128 of one half read 512 contiguous bytes (no bank conflicts).
+      const int within = r % C::kChunksPerTile;  // 2 lane + half
+      dst_chunk = (kk * kNB + tile) * 64 + (within & 1) * 32 + (within >> 1);
+    }
+    dst_off[i] = dst_chunk * 16;
+    if (nt0 + tile < NT) tile_ok |= 1u << i;
+  }
+
+  // Issues the copies of stage `st` (k tiles kt0 + kKS st ..) into its ring slot.
+  auto load_stage = [&](int st) {
+    unsigned char* base = smem + (st % kStages) * a.stage_bytes;
+    const int ktb = kt0 + st * kKS;
+    // Weights: kKS runs of kNB contiguous tiles. Tiles past the split or past N are not
+    // copied: no warp reads them for an output it writes.
+    {
+      const uint32_t sbase = Smem(base);
+      const int32_t* wrow = w_thread + int64_t(ktb) * row_words;
+#pragma unroll
+      for (int i = 0; i < kPasses; ++i) {
+        const int kk = i * kThreads / kRunChunks;
+        if (ktb + kk < kt_end && (tile_ok >> i & 1u)) {
+          const int32_t* src = wrow + kk * row_words + ((i * kThreads) % kRunChunks) * 4;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(sbase + dst_off[i]),
+                       "l"(src)
+                       : "memory");
+        }
+      }
+    }
+    // x: mvalid rows of kKS * 64 k (rows past M were zeroed once; k past K zero-filled).
+    T* xs = reinterpret_cast<T*>(base + kStageWeightBytes);
+    const int64_t kb = int64_t(ktb) * kQTileK;
+    constexpr int kRowChunks = kKS * kQTileK / 8;
+    if (a.fast_x) {
+#pragma unroll 1
+      for (int c = threadIdx.x; c < mvalid * kRowChunks; c += kThreads) {
+        const int row = c / kRowChunks, ck = c % kRowChunks;
+        const int64_t k = kb + ck * 8;
+        const bool ok = k < K;
+        CpAsync(Smem(xs + row * C::kXStride + ck * 8), ok ? xg + row * K + k : xg, ok);
+      }
+    } else {
+#pragma unroll 1
+      for (int c = threadIdx.x; c < mvalid * kKS * kQTileK; c += kThreads) {
+        const int row = c / (kKS * kQTileK), kc = c % (kKS * kQTileK);
+        const int64_t k = kb + kc;
+        xs[row * C::kXStride + kc] = k < K ? xg[row * K + k] : FromFloat<T>(0.f);
+      }
+    }
+    // Scale and zero rows r0 .. r1 of the stage's k16 steps.
+    const int last = (ktb + kKS < kt_end ? ktb + kKS : kt_end) * 4 - 1;
+    const int r0 = GroupOf(a, ktb * 4);
+    const int nrows = GroupOf(a, last) - r0 + 1;
+    uint16_t* ss = reinterpret_cast<uint16_t*>(base + scale_off);
+    uint8_t* zs = base + zero_off;
+    const uint16_t* srow = sg + int64_t(r0) * N;
+    const uint8_t* zrow = has_zeros ? zg + int64_t(r0) * N : nullptr;
+    if (a.fast_s) {
+      constexpr int kRowChunks8 = C::kFeat / 8;
+#pragma unroll 1
+      for (int c = threadIdx.x; c < nrows * kRowChunks8; c += kThreads) {
+        const int row = c / kRowChunks8, ck = c % kRowChunks8;
+        const bool ok = n0 + ck * 8 < N;
+        const int64_t at = ok ? row * N + ck * 8 : 0;
+        CpAsync(Smem(ss + row * C::kFeat + ck * 8), srow + at, ok);
+        if (has_zeros) CpAsync8(Smem(zs + row * C::kFeat + ck * 8), zrow + at, ok);
+      }
+    } else {
+#pragma unroll 1
+      for (int c = threadIdx.x; c < nrows * C::kFeat; c += kThreads) {
+        const int row = c / C::kFeat, f = c % C::kFeat;
+        const bool ok = n0 + f < N;
+        ss[row * C::kFeat + f] = ok ? srow[row * N + f] : uint16_t(0);
+        if (has_zeros) zs[row * C::kFeat + f] = ok ? zrow[row * N + f] : uint8_t(0);
+      }
+    }
+  };
+
+  // Token rows past M stay zero in every stage's x tile.
+  if (mvalid < kMT) {
+    for (int st = 0; st < kStages; ++st) {
+      T* xs = reinterpret_cast<T*>(smem + st * a.stage_bytes + kStageWeightBytes);
+      uint32_t* rows = reinterpret_cast<uint32_t*>(xs + mvalid * C::kXStride);
+      const int words = (kMT - mvalid) * C::kXStride / 2;
+#pragma unroll 1
+      for (int i = threadIdx.x; i < words; i += kThreads) rows[i] = 0u;
+    }
+  }
+
+#pragma unroll
+  for (int st = 0; st < kStages - 1; ++st) {
+    if (st < num_stages) load_stage(st);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+
+  // Accumulator chains: with one n-tile and one token group a warp's MMAs would all chain
+  // on one accumulator (~30 cycles each); two chains (odd and even k16 steps, summed at the
+  // end in a fixed order) halve that dependency.
+  constexpr int kChains = kNWT * kTG <= 2 ? 2 : 1;
+  float acc[kChains][kNWT][kTG][4];
+#pragma unroll
+  for (int ch = 0; ch < kChains; ++ch)
+#pragma unroll
+    for (int t = 0; t < kNWT; ++t)
+#pragma unroll
+      for (int tg = 0; tg < kTG; ++tg)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[ch][t][tg][e] = 0.f;
+
+  const bool warp_active = nt0 + warp * kNWT < NT;
+  const int ntg = (mvalid + 7) / 8;
+  const int gq = lane >> 2;
+  // ldmatrix row address of this lane within a token group and a step pair: token
+  // (lane & 7), k offset 8 (lane >> 3): matrices (k 0-7, 8-15) of step 2sp, then 2sp + 1.
+  const int x_lane_off = ((lane & 7) * C::kXStride + (lane >> 3) * 8) * 2;
+
+  D dq[kNWT];
+  int cur_group = -1;
+  for (int st = 0; st < num_stages; ++st) {
+    asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
+    __syncthreads();  // stage st landed for every thread; stage st - 1 is consumed
+    if (st + kStages - 1 < num_stages) load_stage(st + kStages - 1);
+    asm volatile("cp.async.commit_group;\n" ::: "memory");
+    if (!warp_active) continue;
+
+    const unsigned char* base = smem + (st % kStages) * a.stage_bytes;
+    const uint32_t x_base = Smem(base + kStageWeightBytes) + x_lane_off;
+    const uint16_t* ss = reinterpret_cast<const uint16_t*>(base + scale_off);
+    const uint8_t* zs = base + zero_off;
+    const int ktb = kt0 + st * kKS;
+    const int r0 = GroupOf(a, ktb * 4);
+#pragma unroll
+    for (int kk = 0; kk < kKS; ++kk) {
+      if (ktb + kk >= kt_end) break;
+      uint32_t w[kNWT][C::kTileBytes / 128];
+#pragma unroll
+      for (int t = 0; t < kNWT; ++t) {
+        const unsigned char* tile = base + (kk * kNB + warp * kNWT + t) * C::kTileBytes;
+#pragma unroll
+        for (int half = 0; half < C::kTileBytes / 512; ++half) {
+          const uint4 v = *reinterpret_cast<const uint4*>(tile + half * 512 + lane * 16);
+          w[t][4 * half + 0] = v.x;
+          w[t][4 * half + 1] = v.y;
+          w[t][4 * half + 2] = v.z;
+          w[t][4 * half + 3] = v.w;
+        }
+      }
+      if constexpr (kTileGroups) {
+        // A group spans whole tiles: reload the lane's constants only when it changes (every
+        // group_size / 64 tiles; the registers stay valid across stages).
+        const int grp = GroupOf(a, (ktb + kk) * 4);
+        if (grp != cur_group) {
+          cur_group = grp;
+          const int row = grp - r0;
+#pragma unroll
+          for (int t = 0; t < kNWT; ++t) {
+            dq[t].Load(ss + row * C::kFeat, zs + row * C::kFeat, (warp * kNWT + t) * 16 + gq,
+                       has_zeros);
+          }
+        }
+      }
+#pragma unroll
+      for (int sp = 0; sp < 2; ++sp) {
+        uint32_t af[kNWT][2][4];
+#pragma unroll
+        for (int t = 0; t < kNWT; ++t) {
+#pragma unroll
+          for (int s2 = 0; s2 < 2; ++s2) {
+            if constexpr (!kTileGroups) {
+              const int row = GroupOf(a, (ktb + kk) * 4 + 2 * sp + s2) - r0;
+              dq[t].Load(ss + row * C::kFeat, zs + row * C::kFeat, (warp * kNWT + t) * 16 + gq,
+                         has_zeros);
+            }
+            dq[t].Step(af[t][s2], w[t], 2 * sp + s2);
+          }
+        }
+#pragma unroll
+        for (int tg = 0; tg < kTG; ++tg) {
+          if (kTG == 1 || tg < ntg) {
+            uint32_t b[4];
+            Ldmatrix4(b, x_base + (tg * 8 * C::kXStride + kk * kQTileK + sp * 32) * 2);
+#pragma unroll
+            for (int t = 0; t < kNWT; ++t) {
+              Mma<T>(acc[0][t][tg], af[t][0], b[0], b[1]);
+              Mma<T>(acc[kChains - 1][t][tg], af[t][1], b[2], b[3]);
+            }
+          }
+        }
+      }
+    }
+  }
+
+  // Epilogue: the accumulators through shared memory (token-major, feature contiguous), then
+  // coalesced stores of y (or of this split's partial sums).
+  if constexpr (kChains == 2) {
+#pragma unroll
+    for (int t = 0; t < kNWT; ++t)
+#pragma unroll
+      for (int tg = 0; tg < kTG; ++tg)
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[0][t][tg][e] += acc[1][t][tg][e];
+  }
+  asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+  __syncthreads();
+  float* out = reinterpret_cast<float*>(smem);
+  {
+    const int t4 = lane & 3;
+#pragma unroll
+    for (int t = 0; t < kNWT; ++t) {
+      const int f = (warp * kNWT + t) * 16 + gq;
+#pragma unroll
+      for (int tg = 0; tg < kTG; ++tg) {
+        const int tok = tg * 8 + 2 * t4;
+        out[tok * C::kOutStride + f] = acc[0][t][tg][0];
+        out[(tok + 1) * C::kOutStride + f] = acc[0][t][tg][1];
+        out[tok * C::kOutStride + f + 8] = acc[0][t][tg][2];
+        out[(tok + 1) * C::kOutStride + f + 8] = acc[0][t][tg][3];
+      }
+    }
+  }
+  __syncthreads();
+  const int64_t row0 = g * M + m0;
+  if (a.splits == 1) {
+    T* y = static_cast<T*>(p.y);
+#pragma unroll 1
+    for (int i = threadIdx.x; i < mvalid * C::kFeat; i += kThreads) {
+      const int tok = i / C::kFeat, f = i % C::kFeat;
+      const int64_t n = n0 + f;
+      if (n < N) {
+        const float v = Finish<T>(p, out[tok * C::kOutStride + f], g, n);
+        y[(row0 + tok) * N + n] = FromFloat<T>(v);
+      }
+    }
+  } else {
+    float* ws = p.workspace + int64_t(split) * p.groups * M * N;
+#pragma unroll 1
+    for (int i = threadIdx.x; i < mvalid * C::kFeat; i += kThreads) {
+      const int tok = i / C::kFeat, f = i % C::kFeat;
+      const int64_t n = n0 + f;
+      if (n < N) ws[(row0 + tok) * N + n] = out[tok * C::kOutStride + f];
+    }
+  }
+}
+
+// Sums the splits' partial sums in split order, adds the bias, applies the activation and
+// rounds once to T. splits == 0 (K == 0): y = act(bias).
+template <typename T>
+__global__ void __launch_bounds__(256) QLinearReduceKernel(const QLinearParams p, int splits) {
+  const int64_t total = p.groups * p.m * p.n;
+  const int64_t mn = p.m * p.n;
+  T* y = static_cast<T*>(p.y);
+  for (int64_t e = int64_t(blockIdx.x) * blockDim.x + threadIdx.x; e < total;
+       e += int64_t(gridDim.x) * blockDim.x) {
+    float v = 0.f;
+    for (int s = 0; s < splits; ++s) v += p.workspace[s * total + e];
+    y[e] = FromFloat<T>(Finish<T>(p, v, e / mn, e % p.n));
+  }
+}
+
+int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device) {
+  if (device < 0 || device >= kMaxDevices) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, attr, device) == cudaSuccess ? v : 0;
+  }
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess) return 0;
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
+// Splits of K for `base` blocks of `tile_bytes` x (k tiles) each, at most the workspace
+// allows and at least one stage per split. Default (FILL): as many as fill the resident
+// slots in one wave. Otherwise the fastest by a model of
+// an H100 streaming weights, in us: a block keeps (kStages - 1) x 16 KiB in flight and so
+// reads at most ~24 bytes/ns on its own (48 KiB per ~2 us of loaded latency); all blocks
+// together at most ~2800 bytes/ns; blocks beyond the resident slots run in further waves
+// (~1.5 us of fill each); a split adds a reduction kernel (~2 us plus its bytes).
+int ChooseSplits(int64_t base, int64_t kt, int ks, int64_t block_tile_bytes, int slots,
+                 int64_t out_elems, int64_t workspace_floats) {
+  int max_splits = int(kt < kMaxSplits ? kt : kMaxSplits);
+  const int64_t by_ws = out_elems > 0 ? workspace_floats / out_elems : 0;
+  if (by_ws < max_splits) max_splits = int(by_ws);
+  const int64_t by_stage = kt / ks;  // at least one full stage per split
+  if (by_stage < max_splits) max_splits = int(by_stage);
+  // Fill the resident slots in one wave (a throughput model of the split count measured
+  // no better on the H100).
+  int64_t splits = base < slots ? slots / base : 1;
+  if (splits > max_splits) splits = max_splits;
+  return int(splits < 1 ? 1 : splits);
+}
+
+template <typename T, int kBits, int kMT, bool kTileGroups>
+cudaError_t Launch(const QLinearParams& p, cudaStream_t stream, int device, int sms,
+                   int smem_per_sm) {
+  using C = Config<kBits, kMT>;
+  auto kernel = QLinearKernel<T, kBits, kMT, kTileGroups>;
+  // Opt into the largest stage size once per device (the rows per stage vary).
+  constexpr int kMaxSmem = C::kStages * StageBytes<kBits, kMT>(C::kMaxRows) > C::kOutBytes
+                               ? C::kStages * StageBytes<kBits, kMT>(C::kMaxRows)
+                               : C::kOutBytes;
+  static std::atomic<bool> opted[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
+    if (err != cudaSuccess) return err;
+    // All of L1 as shared memory: the weights bypass L1 (cp.async.cg), and 2 blocks per SM
+    // need ~2 x 100 KiB.
+    const cudaError_t err2 =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    if (err2 != cudaSuccess) return err2;
+    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
+  }
+
+  Args a{};
+  a.p = p;
+  a.kt = QTilesK(p.k);
+  a.nt = QTilesN(p.n);
+  a.nblocks = int(CeilDiv(a.nt, C::kNB));
+  a.mchunks = int(CeilDiv(p.m, kMT));
+  a.scale_rows = int(QScaleRows(p));
+  // Distinct groups among a stage's k16 steps (starting at a multiple of 64 k).
+  int rows = C::kMaxRows;
+  if (a.scale_rows == 1) {
+    rows = 1;
+  } else {
+    const int64_t span = (C::kKS * kQTileK - 16) / p.group_size + 2;
+    if (span < rows) rows = int(span);
+  }
+  a.stage_rows = rows;
+  a.stage_bytes = StageBytes<kBits, kMT>(rows);
+  a.steps_per_group = MakeFastDiv(a.scale_rows == 1 ? 1 : p.group_size / 16);
+  const int smem_pipe = C::kStages * a.stage_bytes;
+  const int smem = smem_pipe > C::kOutBytes ? smem_pipe : C::kOutBytes;
+  const int per_sm = smem_per_sm / (smem + 1024);
+  const int slots = sms * (per_sm < C::kMinBlocks ? (per_sm < 1 ? 1 : per_sm) : C::kMinBlocks);
+
+  const int64_t base = p.groups * a.nblocks * a.mchunks;
+  const int64_t out_elems = p.groups * p.m * p.n;
+  const int64_t ws = p.workspace != nullptr ? p.workspace_floats : 0;
+  a.splits = ChooseSplits(base, a.kt, C::kKS, int64_t(C::kNB) * C::kTileBytes, slots, out_elems,
+                          ws < kMaxWorkspaceFloats ? ws : kMaxWorkspaceFloats);
+  a.tiles_per_split = int(CeilDiv(a.kt, a.splits));
+  a.splits = int(CeilDiv(a.kt, a.tiles_per_split));
+  a.fast_x = p.k % 8 == 0 && reinterpret_cast<uintptr_t>(p.x) % 16 == 0;
+  a.fast_s = p.n % 8 == 0 && reinterpret_cast<uintptr_t>(p.scales) % 16 == 0 &&
+             (p.zeros == nullptr || reinterpret_cast<uintptr_t>(p.zeros) % 8 == 0);
+
+  const int64_t grid = base * a.splits;
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.splits == 1) return err;
+  const int64_t blocks = CeilDiv(out_elems, 256);
+  const int64_t cap = int64_t(sms) * 8;
+  QLinearReduceKernel<T><<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, a.splits);
+  return cudaGetLastError();
+}
+
+template <typename T, int kBits>
+cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, int sms,
+                       int smem_per_sm) {
+  const bool tile_groups = QScaleRows(p) == 1 || p.group_size % kQTileK == 0;
+  const int mt = p.m <= 8 ? 8 : p.m <= 16 ? 16 : p.m <= 32 ? 32 : 64;
+  return JAXGPU_INT_SWITCH(mt, kMT, (8, 16, 32, 64), [&] {
+    return JAXGPU_BOOL_SWITCH(tile_groups, kTileGroups, [&] {
+      return Launch<T, kBits, kMT, kTileGroups>(p, stream, device, sms, smem_per_sm);
+    });
+  });
+}
+
+}  // namespace
+}  // namespace qlinear
+
+int64_t QLinearWorkspaceFloats(int64_t groups, int64_t m, int64_t n) {
+  const int64_t out = groups * m * n;
+  if (out <= 0) return 0;
+  if (out > qlinear::kMaxWorkspaceFloats / qlinear::kMaxSplits) {
+    return out * 2 <= qlinear::kMaxWorkspaceFloats ? qlinear::kMaxWorkspaceFloats : 0;
+  }
+  return out * qlinear::kMaxSplits;
+}
+
+cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream) {
+  if (p.bits != 4 && p.bits != 8) return cudaErrorInvalidValue;
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) return cudaErrorInvalidValue;
+  if (p.groups <= 0 || p.m <= 0 || p.n <= 0) return cudaSuccess;
+  if (reinterpret_cast<uintptr_t>(p.packed) % 16 != 0) return cudaErrorMisalignedAddress;
+  int device = 0;
+  cudaError_t err = cudaGetDevice(&device);
+  if (err != cudaSuccess) return err;
+  static std::atomic<int> sm_cache[qlinear::kMaxDevices];
+  static std::atomic<int> smem_cache[qlinear::kMaxDevices];
+  const int sms = qlinear::DeviceAttribute(cudaDevAttrMultiProcessorCount, sm_cache, device);
+  const int smem_per_sm =
+      qlinear::DeviceAttribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, smem_cache, device);
+  if (sms <= 0 || smem_per_sm <= 0) return cudaErrorInvalidDevice;
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
+    if (p.k <= 0) {  // y = act(bias): no products
+      const int64_t blocks = CeilDiv(p.groups * p.m * p.n, 256);
+      const int64_t cap = int64_t(sms) * 8;
+      qlinear::QLinearReduceKernel<T>
+          <<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, 0);
+      return cudaGetLastError();
+    }
+    if (p.bits == 4) return qlinear::LaunchBits<T, 4>(p, stream, device, sms, smem_per_sm);
+    return qlinear::LaunchBits<T, 8>(p, stream, device, sms, smem_per_sm);
+  });
+}
+
+}  // namespace jaxgpu::cuda
