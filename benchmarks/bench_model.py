@@ -70,9 +70,11 @@ DECODE_TARGET = ("gemma2_2b", 1, 4096, 1.5)
 
 @dataclasses.dataclass
 class Impl:
-  name: str  # record name: 'cuda' (jaxgpu's kernels) or 'xla'; decode adds 'contig'
+  name: str  # record name: 'cuda' (jaxgpu's kernels) or 'xla'; decode adds 'contig' and
+             # 'cuda-int8' / 'cuda-int4' (quantized projection weights)
   arg: str | None  # the model's implementation= argument
   cache: str | None = None  # decode: the KV cache's layout (None: the implementation's)
+  bits: int = 16  # decode: the projection weights' bits (gemma.quantize_params below 16)
 
 
 def _impls(bench) -> list[Impl]:
@@ -90,7 +92,37 @@ def _decode_impls(bench) -> list[Impl]:
       out.append(Impl(impl.name, impl.arg, "contiguous"))
     else:
       out += [Impl(impl.name, impl.arg, "paged"), Impl("contig", impl.arg, "contiguous")]
+      out += [Impl(f"{impl.name}-int{bits}", impl.arg, "paged", bits)
+              for bits in _weight_bits(bench)]
   return out
+
+
+def _weight_bits(bench) -> list[int]:
+  """The quantized weights --weights asks for (int8 / int4; bf16 is always run)."""
+  names = [w.strip() for w in bench.args.weights.split(",") if w.strip()]
+  return [int(w[3:]) for w in names if w in ("int8", "int4")]
+
+
+# Quantized decode: int8 with one scale per column (symmetric), int4 with a scale and zero
+# point per 128 rows (GPTQ-style).
+QUANT_GROUP = {8: None, 4: 128}
+
+
+def _quality(config, params, qparams) -> str:
+  """Logit error of the quantized model against the bf16 one on held-out random sequences
+  (2 x 512 tokens): RMS relative to the logits' RMS, and the share of positions whose
+  argmax agrees."""
+  import jax
+  import jax.numpy as jnp
+
+  from jaxgpu.models import gemma
+
+  tokens = jax.random.randint(jax.random.key(7), (2, 512), 2, config.vocab_size)
+  ref = gemma.forward(params, config, tokens)
+  got = gemma.forward(qparams, config, tokens)
+  rms = lambda a: float(jnp.sqrt(jnp.mean(jnp.square(a.astype(jnp.float32)))))
+  agree = float(jnp.mean(jnp.argmax(ref, -1) == jnp.argmax(got, -1)))
+  return f"logits {rms(got - ref) / rms(ref):.2%} RMS off bf16, argmax agrees {agree:.1%}"
 
 
 def _config(name: str, quick: bool):
@@ -136,14 +168,20 @@ def forward_flops(config, batch: int, t: int) -> float:
   return batch * t * (2 * matmul_params(config) + attn)
 
 
-def decode_bytes(config, batch: int, context: int, itemsize=2) -> int:
-  """Bytes a decode step must read: the parameters, and each row's cached keys and values
-  for the slots it attends to (a local layer: its window)."""
+def decode_bytes(config, batch: int, context: int, itemsize=2, params=None) -> int:
+  """Bytes a decode step must read: the parameters (those of `params` as stored, e.g.
+  quantized; else the config's at itemsize), and each row's cached keys and values for the
+  slots it attends to (a local layer: its window)."""
   kv = 0
   for i in range(config.n_layers):
     slots = min(config.sliding_window, context) if config.is_local(i) else context
     kv += 2 * slots * config.n_kv_heads * config.head_dim * itemsize
-  return param_bytes(config, itemsize) + batch * kv
+  if params is None:
+    weights = param_bytes(config, itemsize)
+  else:
+    import jax
+    weights = sum(a.size * a.dtype.itemsize for a in jax.tree.leaves(params))
+  return weights + batch * kv
 
 
 # ---- timing --------------------------------------------------------------------------------------
@@ -343,8 +381,14 @@ def decode(bench, name: str) -> None:
   config = _config(name, bench.quick)
   params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
   n = 8 if bench.quick else DECODE_TOKENS
-  contexts = (40,) if bench.quick else DECODE_CONTEXTS
-  batches = (1, 2) if bench.quick else DECODE_BATCHES
+  contexts = (40,) if bench.quick else tuple(int(c) for c in bench.args.contexts.split(","))
+  quantized, quality = {}, {}
+  for bits in _weight_bits(bench):
+    quantized[bits] = gemma.quantize_params(params, config, bits=bits,
+                                            group_size=QUANT_GROUP[bits])
+    quality[bits] = _quality(config, params, quantized[bits])
+    print(f"  decode {name} int{bits}: {quality[bits]}", flush=True)
+  batches = (1, 2) if bench.quick else tuple(int(b) for b in bench.args.batches.split(","))
   limit = _device_limit_gib()
   copy_gbs = bench.copy_gbs or bench.ceiling_gbs
   for context in contexts:
@@ -355,18 +399,19 @@ def decode(bench, name: str) -> None:
         bench.skip(f"decode {name} B{b} ctx{context}",
               f"parameters + KV cache {need:.0f} GiB > 90% of the device's {limit:.0f} GiB")
         continue
-      bytes_ = decode_bytes(config, b, context)
-      roofline_s = bytes_ / (copy_gbs * 1e9) if copy_gbs else None
       positions = jnp.full((b,), context, jnp.int32)
       logits = jnp.zeros((b, config.vocab_size), jnp.float32)
       recs = []
       for impl in _decode_impls(bench):
+        weights = params if impl.bits == 16 else quantized[impl.bits]
+        bytes_ = decode_bytes(config, b, context, params=weights)
+        roofline_s = bytes_ / (copy_gbs * 1e9) if copy_gbs else None
         # The cache is donated to the loop: a fresh one per call, made outside the timing.
         def once():
           cache = gemma.empty_cache(config, b, cache_len, cache=impl.cache)
           jax.block_until_ready(cache)
           t0 = time.perf_counter()
-          out, _ = gemma.decode(params, config, cache, logits, positions, jax.random.key(0),
+          out, _ = gemma.decode(weights, config, cache, logits, positions, jax.random.key(0),
                                 -1, max_new_tokens=n, implementation=impl.arg)
           jax.block_until_ready(out)
           return time.perf_counter() - t0
@@ -386,6 +431,8 @@ def decode(bench, name: str) -> None:
         if roofline_s:
           notes += (f"; roofline {roofline_s * 1e3:.2f} ms/step = {b / roofline_s:,.0f} "
                     f"tokens/s; {median / roofline_s:.2f}x roofline")
+        if impl.bits < 16:
+          notes += f"; {quality[impl.bits]}"
         print(f"  decode {name:<10} B{b:<3} ctx{context:<6} {impl.name:<6} "
               f"{median * 1e3:8.3f} ms/step  {notes}", flush=True)
         rec = _record(bench, op=f"decode {name}", case=f"B{b} ctx{context}", pass_="decode",
@@ -401,19 +448,21 @@ def decode(bench, name: str) -> None:
 PARTS = {"train": train, "prefill": prefill, "decode": decode}
 
 
-def _other_models_records(bench, family: str, models: list[str]) -> list:
-  """The stored records of the models this run leaves out (a family is replaced whole when
-  written): a run of one model keeps the other's figures."""
+def _stored_records_not_rerun(bench, family: str) -> list:
+  """The stored records of this family that the run did not measure again (a family is
+  replaced whole when written): a run of one model, context or weight kind keeps the other
+  figures."""
   import json
 
   path = harness.RESULTS_DIR / f"{bench.slug}.json"
   if not path.exists():
     return []
   entry = json.loads(path.read_text()).get("families", {}).get(family, {})
+  fresh = {(r.op, r.case, r.pass_, r.implementation) for r in bench.records}
   keep = [record.Record.from_json(r) for r in entry.get("records", [])
-          if r["op"].split(" ", 1)[-1] not in models]
+          if (r["op"], r["case"], r["pass"], r["implementation"]) not in fresh]
   if keep:
-    print(f"# {family}: keeping {len(keep)} stored records of other models "
+    print(f"# {family}: keeping {len(keep)} stored records not measured again "
           f"(measured at {entry.get('commit')})", flush=True)
   return keep
 
@@ -422,6 +471,12 @@ def _extend(p: argparse.ArgumentParser) -> None:
   p.add_argument("--models", default="gemma2_2b,gemma3_1b",
                  help="comma-separated Config presets (default: gemma2_2b,gemma3_1b)")
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+  p.add_argument("--weights", default="bf16,int8,int4",
+                 help="decode: the projection weights, of bf16,int8,int4 (bf16 always runs)")
+  p.add_argument("--contexts", default=",".join(map(str, DECODE_CONTEXTS)),
+                 help="decode: comma-separated context lengths")
+  p.add_argument("--batches", default=",".join(map(str, DECODE_BATCHES)),
+                 help="decode: comma-separated batch sizes")
   p.add_argument("--train-batch", type=int, default=None,
                  help="the first training batch tried (default: per model)")
 
@@ -440,11 +495,11 @@ def main(argv=None) -> int:
   for part in parts:
     def run(bench, part=part):
       models = [m.strip() for m in bench.args.models.split(",") if m.strip()]
-      if not bench.quick:
-        bench.records += _other_models_records(bench, f"{FAMILY}_{part}", models)
       for name in models:
         print(f"# {part} {name}", flush=True)
         PARTS[part](bench, name)
+      if not bench.quick:
+        bench.records[:0] = _stored_records_not_rerun(bench, f"{FAMILY}_{part}")
 
     status |= harness.main(f"{FAMILY}_{part}", run, argv=argv,
                            description=__doc__.splitlines()[0], extend_parser=_extend)
