@@ -131,34 +131,50 @@ void LinearWgrad(const LinearWgradParams& p) {
   }
 }
 
+// The dense (K, N) weight of weight group `wg` as floats, each rounded to `t` once.
+static void DequantizeGroup(DType t, int bits, int64_t K, int64_t N, int64_t group_size,
+                            const int32_t* packed_all, const void* scales_all,
+                            const uint8_t* zeros_all, int64_t wg, std::vector<float>& w) {
+  const int64_t KT = QTilesK(K), NT = QTilesN(N), words = QWordsPerTile(bits);
+  const int64_t scale_rows = K / group_size;
+  const uint32_t mask = (1u << bits) - 1u;
+  const int64_t midpoint = int64_t(1) << (bits - 1);
+  const std::vector<float> scales = LoadMatrix(scales_all, t, wg * scale_rows * N, scale_rows * N);
+  const int32_t* packed = packed_all + wg * KT * NT * words;
+  const uint8_t* zeros = zeros_all != nullptr ? zeros_all + wg * scale_rows * N : nullptr;
+  w.assign(static_cast<size_t>(K * N), 0.f);
+  for (int64_t kk = 0; kk < K; ++kk) {
+    const int64_t srow = std::min(kk / group_size, scale_rows - 1);
+    for (int64_t c = 0; c < N; ++c) {
+      const QPackedPosition at = QPackedAt(bits, int(c % kQTileN), int(kk % kQTileK));
+      const int32_t* tile = packed + ((kk / kQTileK) * NT + c / kQTileN) * words;
+      const int64_t q = (static_cast<uint32_t>(tile[at.word]) >> at.shift) & mask;
+      const int64_t z = zeros != nullptr ? zeros[srow * N + c] : midpoint;
+      w[kk * N + c] = RoundTrip(float(q - z) * scales[srow * N + c], t);
+    }
+  }
+}
+
 void QLinearFwd(const QLinearParams& p) {
   const int64_t M = p.m, K = p.k, N = p.n;
-  const int64_t KT = QTilesK(K), NT = QTilesN(N), words = QWordsPerTile(p.bits);
-  const int64_t scale_rows = QScaleRows(p);
-  const uint32_t mask = (1u << p.bits) - 1u;
-  const int64_t midpoint = int64_t(1) << (p.bits - 1);
-  std::vector<float> w(static_cast<size_t>(K * N)), scales, bias;
+  std::vector<float> w, bias;
   for (int64_t g = 0; g < p.groups; ++g) {
     if (g == 0 || p.weight_groups > 1) {
-      const int64_t wg = p.weight_groups > 1 ? g : 0;
-      scales = LoadMatrix(p.scales, p.dtype, wg * scale_rows * N, scale_rows * N);
-      const int32_t* packed = p.packed + wg * KT * NT * words;
-      const uint8_t* zeros = p.zeros != nullptr ? p.zeros + wg * scale_rows * N : nullptr;
-      for (int64_t kk = 0; kk < K; ++kk) {
-        const int64_t srow = std::min(kk / p.group_size, scale_rows - 1);
-        for (int64_t c = 0; c < N; ++c) {
-          const QPackedPosition at = QPackedAt(p.bits, int(c % kQTileN), int(kk % kQTileK));
-          const int32_t* tile = packed + ((kk / kQTileK) * NT + c / kQTileN) * words;
-          const int64_t q = (static_cast<uint32_t>(tile[at.word]) >> at.shift) & mask;
-          const int64_t z = zeros != nullptr ? zeros[srow * N + c] : midpoint;
-          w[kk * N + c] = RoundTrip(float(q - z) * scales[srow * N + c], p.dtype);
-        }
-      }
+      DequantizeGroup(p.dtype, p.bits, K, N, p.group_size, p.packed, p.scales, p.zeros,
+                      p.weight_groups > 1 ? g : 0, w);
     }
     if (p.bias_groups > 0 && (g == 0 || p.bias_groups > 1)) {
       bias = LoadMatrix(p.bias, p.dtype, (p.bias_groups > 1 ? g : 0) * N, N);
     }
     GemmRows(p.dtype, p.x, g * M * K, w, bias, M, K, N, p.activation, p.y, nullptr, g * M * N);
+  }
+}
+
+void QDequant(const QDequantParams& p) {
+  std::vector<float> w;
+  for (int64_t g = 0; g < p.groups; ++g) {
+    DequantizeGroup(p.dtype, p.bits, p.k, p.n, p.group_size, p.packed, p.scales, p.zeros, g, w);
+    if (!w.empty()) StoreFloats(p.w, p.dtype, g * p.k * p.n, p.k * p.n, w.data());
   }
 }
 

@@ -11,5 +11,6 @@ void LinearFwd(const LinearFwdParams& p);
 void LinearDgrad(const LinearDgradParams& p);
 void LinearWgrad(const LinearWgradParams& p);
 void QLinearFwd(const QLinearParams& p);
+void QDequant(const QDequantParams& p);
 
 }  // namespace jaxgpu::cpu

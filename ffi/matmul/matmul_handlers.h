@@ -22,6 +22,11 @@
 //     rets  y (G, M, N), workspace (F,) f32 (split-K partial sums; (0,) on the CPU)
 //     attrs bits s32 (4 | 8), group_size s32, activation s32 (QActivation), has_zeros,
 //           has_bias
+//   jaxgpu_qlinear_dequant
+//     args  packed (G, KT, NT, 32 * words) s32, scales (G, K / group_size, N) f32|bf16|f16,
+//           zeros (G, K / group_size, N) u8 (or (0,))
+//     rets  w (G, K, N) in the scales' dtype
+//     attrs bits, group_size, has_zeros
 // M, N may be 0 (nothing to do); K must be positive.
 #pragma once
 
@@ -72,6 +77,15 @@ namespace jaxgpu {
       .Attr<int32_t>("activation")  /* activation */ \
       .Attr<bool>("has_zeros")      /* has_zeros */  \
       .Attr<bool>("has_bias")       /* has_bias */
+
+#define JAXGPU_QLINEAR_DEQUANT_BINDING(BIND)         \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* packed */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* scales */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* zeros */      \
+      .Ret<::xla::ffi::AnyBuffer>() /* w */          \
+      .Attr<int32_t>("bits")        /* bits */       \
+      .Attr<int32_t>("group_size")  /* group_size */ \
+      .Attr<bool>("has_zeros")      /* has_zeros */
 
 namespace matmul_detail {
 
@@ -275,6 +289,44 @@ inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi
   p->y = y->untyped_data();
   p->workspace_floats = static_cast<int64_t>(workspace->element_count());
   p->workspace = p->workspace_floats > 0 ? static_cast<float*>(workspace->untyped_data()) : nullptr;
+  return ffi::Error::Success();
+}
+
+inline ffi::Error MakeQDequantParams(ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                                     ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer>& w,
+                                     int32_t bits, int32_t group_size, bool has_zeros,
+                                     QDequantParams* p) {
+  using namespace matmul_detail;
+  JAXGPU_RETURN_IF_ERROR(CheckDType(scales, kFloatDTypes, "scales", &p->dtype));
+  if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits: expected 4 or 8");
+  p->bits = bits;
+  JAXGPU_RETURN_IF_ERROR(Dims3(*w, "w", &p->groups, &p->k, &p->n));
+  JAXGPU_RETURN_IF_ERROR(PositiveK(p->k));
+  if (w->element_type() != scales.element_type()) {
+    return ffi::Error::InvalidArgument("w: must have the scales' dtype");
+  }
+  if (group_size <= 0 || p->k % group_size != 0 || (group_size % 16 != 0 && group_size != p->k)) {
+    return ffi::Error::InvalidArgument(
+        "group_size: must divide K and be a multiple of 16 or K itself");
+  }
+  p->group_size = group_size;
+  const int64_t rows = p->k / group_size;
+  JAXGPU_RETURN_IF_ERROR(CheckDims(scales, {p->groups, rows, p->n}, "scales"));
+  const auto pd = packed.dimensions();
+  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 || pd[0] != p->groups ||
+      pd[1] != QTilesK(p->k) || pd[2] != QTilesN(p->n) || pd[3] != QWordsPerTile(bits)) {
+    return ffi::Error::InvalidArgument(
+        "packed: expected int32 (G, ceil(K / 64), ceil(N / 16), 32 * words per lane)");
+  }
+  if (has_zeros) {
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(zeros, ffi::DataType::U8, p->groups * rows * p->n, "zeros"));
+  } else if (zeros.element_count() != 0) {
+    return ffi::Error::InvalidArgument("zeros: must be empty when has_zeros is false");
+  }
+  p->packed = static_cast<const int32_t*>(packed.untyped_data());
+  p->scales = scales.untyped_data();
+  p->zeros = has_zeros ? static_cast<const uint8_t*>(zeros.untyped_data()) : nullptr;
+  p->w = w->untyped_data();
   return ffi::Error::Success();
 }
 

@@ -46,6 +46,16 @@ ffi::Error QlinearFwdCpu(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi::AnyBuffer
   return ffi::Error::Success();
 }
 
+ffi::Error QlinearDequantCpu(ffi::AnyBuffer packed, ffi::AnyBuffer scales, ffi::AnyBuffer zeros,
+                             ffi::Result<ffi::AnyBuffer> w, int32_t bits, int32_t group_size,
+                             bool has_zeros) {
+  QDequantParams p;
+  JAXGPU_RETURN_IF_ERROR(
+      MakeQDequantParams(packed, scales, zeros, w, bits, group_size, has_zeros, &p));
+  cpu::QDequant(p);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxgpu
 
@@ -59,3 +69,5 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuLinearWgradCpu, jaxgpu::LinearWgradCpu,
                               JAXGPU_LINEAR_WGRAD_BINDING(xffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuQlinearFwdCpu, jaxgpu::QlinearFwdCpu,
                               JAXGPU_QLINEAR_FWD_BINDING(xffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuQlinearDequantCpu, jaxgpu::QlinearDequantCpu,
+                              JAXGPU_QLINEAR_DEQUANT_BINDING(xffi::Ffi::Bind()));

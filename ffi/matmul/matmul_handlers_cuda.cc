@@ -180,6 +180,16 @@ ffi::Error QlinearFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer 
   return CudaStatus(cuda::LaunchQLinear(p, stream), "qlinear launch");
 }
 
+ffi::Error QlinearDequantCuda(cudaStream_t stream, ffi::AnyBuffer packed, ffi::AnyBuffer scales,
+                              ffi::AnyBuffer zeros, ffi::Result<ffi::AnyBuffer> w, int32_t bits,
+                              int32_t group_size, bool has_zeros) {
+  QDequantParams p;
+  JAXGPU_RETURN_IF_ERROR(
+      MakeQDequantParams(packed, scales, zeros, w, bits, group_size, has_zeros, &p));
+  if (p.n == 0 || p.groups == 0) return ffi::Error::Success();
+  return CudaStatus(cuda::LaunchQDequant(p, stream), "qlinear dequantize launch");
+}
+
 }  // namespace
 }  // namespace jaxgpu
 
@@ -198,4 +208,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuLinearWgradCuda, jaxgpu::LinearWgradCuda,
                               {xffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuQlinearFwdCuda, jaxgpu::QlinearFwdCuda,
                               JAXGPU_QLINEAR_FWD_BINDING(JAXGPU_MATMUL_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuQlinearDequantCuda, jaxgpu::QlinearDequantCuda,
+                              JAXGPU_QLINEAR_DEQUANT_BINDING(JAXGPU_MATMUL_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});

@@ -8,6 +8,7 @@
   X("jaxgpu_linear_fwd", JaxgpuLinearFwd)     \
   X("jaxgpu_linear_dgrad", JaxgpuLinearDgrad) \
   X("jaxgpu_linear_wgrad", JaxgpuLinearWgrad) \
-  X("jaxgpu_qlinear_fwd", JaxgpuQlinearFwd)
+  X("jaxgpu_qlinear_fwd", JaxgpuQlinearFwd)   \
+  X("jaxgpu_qlinear_dequant", JaxgpuQlinearDequant)
 
 JAXGPU_MATMUL_TARGETS(JAXGPU_DECLARE_HANDLERS)

@@ -24,4 +24,7 @@ cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 // output. Passing less is allowed (fewer splits).
 int64_t QLinearWorkspaceFloats(int64_t groups, int64_t m, int64_t n);
 
+// w = the dense weight of p's packed one (qdequant_kernels.cu): one block per 16 x 64 tile.
+cudaError_t LaunchQDequant(const QDequantParams& p, cudaStream_t stream);
+
 }  // namespace jaxgpu::cuda

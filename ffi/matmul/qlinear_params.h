@@ -35,13 +35,19 @@
 
 #include "common/dtype.h"
 
+#if defined(__CUDACC__)
+#define JAXGPU_QLINEAR_HD __host__ __device__
+#else
+#define JAXGPU_QLINEAR_HD
+#endif
+
 namespace jaxgpu {
 
 constexpr int kQTileN = 16;  // features per tile
 constexpr int kQTileK = 64;  // k per tile
 
-constexpr int QWordsPerLane(int bits) { return bits == 4 ? 4 : 8; }
-constexpr int QWordsPerTile(int bits) { return 32 * QWordsPerLane(bits); }
+JAXGPU_QLINEAR_HD constexpr int QWordsPerLane(int bits) { return bits == 4 ? 4 : 8; }
+JAXGPU_QLINEAR_HD constexpr int QWordsPerTile(int bits) { return 32 * QWordsPerLane(bits); }
 
 // Word index (within a tile's 32 * QWordsPerLane words) and bit shift of the value at
 // tile-local feature r in [0, 16) and k offset c in [0, 64).
@@ -49,7 +55,7 @@ struct QPackedPosition {
   int word;
   int shift;
 };
-inline constexpr QPackedPosition QPackedAt(int bits, int r, int c) {
+JAXGPU_QLINEAR_HD inline constexpr QPackedPosition QPackedAt(int bits, int r, int c) {
   const int h = r / 8, gq = r % 8;
   const int s = c / 16, kh = (c % 16) / 8, tq = (c % 8) / 2, e = c % 2;
   const int lane = 4 * gq + tq;
@@ -85,8 +91,22 @@ struct QLinearParams {
   int64_t workspace_floats;  // its size: the launcher uses at most this many
 };
 
-inline int64_t QTilesK(int64_t k) { return (k + kQTileK - 1) / kQTileK; }
-inline int64_t QTilesN(int64_t n) { return (n + kQTileN - 1) / kQTileN; }
+// The dense weight of a packed one: w (G, K, N) in `dtype` (T, that of the scales), the
+// dequantization rule above (the large-M route of jaxgpu.linear: this, then the GEMM).
+struct QDequantParams {
+  DType dtype;
+  int bits;
+  int64_t groups;  // G: packed, scales, zeros and w all have it
+  int64_t k, n;
+  int64_t group_size;
+  const int32_t* packed;  // (G, KT, NT, QWordsPerTile(bits))
+  const void* scales;     // (G, K / group_size, N)
+  const uint8_t* zeros;   // (G, K / group_size, N), or null (midpoint)
+  void* w;                // (G, K, N)
+};
+
+JAXGPU_QLINEAR_HD inline int64_t QTilesK(int64_t k) { return (k + kQTileK - 1) / kQTileK; }
+JAXGPU_QLINEAR_HD inline int64_t QTilesN(int64_t n) { return (n + kQTileN - 1) / kQTileN; }
 inline int64_t QScaleRows(const QLinearParams& p) { return p.k / p.group_size; }
 
 }  // namespace jaxgpu

@@ -20,9 +20,10 @@ Quantized. ``linear(x, qw)`` with a `QuantizedWeight` (`quantize_weight`, or
 `QuantizedWeight.from_int` for weights quantized elsewhere) runs jaxgpu's weight-only
 kernel for up to `DENSE_FROM_ROWS - 1` rows of x: the packed weight is read from memory
 once, widened and scaled in registers, and multiplied on tensor cores. From
-`DENSE_FROM_ROWS` rows the product is compute-bound and the weight is dequantized (an XLA
-fusion) for the dense cuBLASLt path. Gradients flow to x and bias, never to the frozen
-quantized weight (QLoRA-style fine-tuning). A float32 x on CUDA takes the dense path.
+`DENSE_FROM_ROWS` rows the product is compute-bound and the weight is dequantized (a copy
+kernel, jaxgpu_qlinear_dequant) for the dense cuBLASLt path. Gradients flow to x and bias,
+never to the frozen quantized weight (QLoRA-style fine-tuning). A float32 x on CUDA takes
+the dense path.
 
 Transforms. jit, grad, vmap (over x, over the weight: batched GEMMs), shard_map, pmap. Under
 jit with sharded inputs: rows of x shard with no collective; a weight sharded along N
@@ -58,7 +59,8 @@ from jaxgpu.quantized import QuantizedWeight
 from jaxgpu.reference import matmul as reference
 
 LINEAR = Op("linear", {"fwd": "jaxgpu_linear_fwd", "dgrad": "jaxgpu_linear_dgrad",
-                       "wgrad": "jaxgpu_linear_wgrad", "fwd_q": "jaxgpu_qlinear_fwd"})
+                       "wgrad": "jaxgpu_linear_wgrad", "fwd_q": "jaxgpu_qlinear_fwd",
+                       "dequant": "jaxgpu_qlinear_dequant"})
 FAMILY = Family("matmul", (LINEAR,))
 
 ACTIVATIONS = reference.ACTIVATIONS
@@ -320,6 +322,35 @@ def _qfwd_call(cfg: _Config, x, packed, scales, zeros, bias, activation):
   return grouped_call(local_fn, layout, *inputs, partial=partial)[0]
 
 
+def _dequant_call(cfg: _Config, packed, scales, zeros):
+  """The dense weight (G, K, N) of grouped packed arrays, in the scales' dtype."""
+  qw = cfg.weight(None, None, None)
+  has_zeros = zeros is not None
+  blocked, replicated = _q_blocked(qw)
+  layout = Layout(inputs=("g k n w", "g k n") + ("g k n",) * has_zeros, outputs=("g k n",),
+                  replicated=replicated, blocked=blocked)
+
+  def local_fn(packed, scales, *rest):
+    k = packed.shape[-3] * reference.TILE_K if "k" in blocked else qw.in_features
+    w = jax.ffi.ffi_call(
+        cfg.target("dequant"),
+        jax.ShapeDtypeStruct((scales.shape[0], k, scales.shape[-1]), scales.dtype),
+    )(packed, scales, rest[0] if has_zeros else _empty(jnp.uint8), bits=np.int32(qw.bits),
+      group_size=np.int32(k // scales.shape[-2]), has_zeros=has_zeros)
+    return (w,)
+
+  inputs = [packed, scales] + ([zeros] if has_zeros else [])
+  return grouped_call(local_fn, layout, *inputs)[0]
+
+
+def _dequantized(cfg: _Config, qw: QuantizedWeight, dtype):
+  """qw.dequantize(dtype) by jaxgpu's kernel (the 'xla' implementation: the reference)."""
+  if cfg.implementation == "xla":
+    return qw.dequantize(dtype)
+  g = lambda a: None if a is None else a[None]
+  return _dequant_call(cfg, g(qw.packed), g(qw.scales.astype(dtype)), g(qw.zeros))[0]
+
+
 def _q_forward(cfg: _Config, x, packed, scales, zeros, bias, activation):
   g = lambda a: None if a is None else a[None]
   return _qfwd_call(cfg, x[None], g(packed), g(scales), g(zeros), g(bias), activation)[0]
@@ -349,7 +380,7 @@ def _zero_cotangent(a):
 def _qlinear_bwd(cfg: _Config, res, dy):
   packed, scales, zeros, z = res
   dz = _activation_grad(cfg.activation, dy, z)
-  w = cfg.weight(packed, scales, zeros).dequantize(dy.dtype)
+  w = _dequantized(cfg, cfg.weight(packed, scales, zeros), dy.dtype)
   dx = _dgrad_call(cfg, dz[None], w[None])[0]
   db = None
   if cfg.has_bias:
@@ -436,7 +467,7 @@ def _quantized(x, qw: QuantizedWeight, bias, activation, impl, rows: int, n: int
     if any(in_explicit_mode(a) for a in (qw.packed, qw.scales)):
       # The unpacking reshapes need the packed tiles whole on an Explicit mesh.
       qw = jax.tree.map(lambda a: jax.sharding.reshard(a, PartitionSpec()), qw)
-    w = jax.lax.stop_gradient(qw.dequantize(x.dtype))
+    w = jax.lax.stop_gradient(_dequantized(cfg, qw, x.dtype))
     return linear(x, w, bias, activation=activation, implementation=impl)
   scales = qw.scales.astype(x.dtype)
   return _qlinear(cfg, x, qw.packed, scales, qw.zeros, bias)
