@@ -71,7 +71,7 @@ __global__ void __launch_bounds__(kThreads) QDequantKernel(QDequantParams p) {
   const T* scales = static_cast<const T*>(p.scales) + (g * rows + srow) * p.n;
   const uint8_t* zeros = p.zeros != nullptr ? p.zeros + (g * rows + srow) * p.n : nullptr;
   const uint32_t mask = (1u << kBits) - 1u;
-  T out[8];
+  alignas(16) T out[8];  // read back as one 16-byte vector below
 #pragma unroll
   for (int j = 0; j < 8; ++j) {
     const int64_t n = n0 + j;

@@ -73,9 +73,12 @@ _Q_ACTIVATION = {None: 0, "relu": 1, "gelu": 2, "gelu_exact": 3, "silu": 4}
 _CUBLASLT_WORKSPACE = 32 << 20
 # Split-K partial sums of the quantized kernel: at most 2^22 floats (16 MiB).
 _Q_WORKSPACE_FLOATS = 1 << 22
-# Rows of x from which a quantized linear dequantizes the weight and runs the dense GEMM
-# (benchmarks/bench_matmul.py measures the crossover; see docs/perf/matmul.md).
-DENSE_FROM_ROWS = 128
+# Rows of x from which a quantized linear dequantizes the weight and runs the dense GEMM.
+# Measured on the H100 (8192 x 28672 int4, docs/perf/matmul.md): the kernel takes 237 us at
+# M = 64 and 955 us at M = 256 (it grows about linearly past 64: mma.sync and a
+# re-dequantization per 64-row chunk), the dequantize + cuBLASLt route 941 us at M = 128 and
+# 990 us at 256 (the dequantization is ~750 us of it): they cross near 256.
+DENSE_FROM_ROWS = 256
 
 _X = "g ... k"       # (G, ...rows, K)
 _W = "[g] k n"       # (G or 1, K, N)
