@@ -58,9 +58,13 @@ def test_quantized_generation_runs_the_quantized_kernel():
   want = gemma.generate(_dequantized(qparams, params), config, [[3, 4, 5], [6, 7]], 4,
                         implementation="xla")
   assert np.array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
-  cache = gemma.empty_cache(config, 2, 16, jnp.float32)
+  # bf16 activations: the quantized kernel's dtype (a float32 x takes the dense route on a
+  # GPU).
+  qparams16 = gemma.quantize_params(U.cast(params, jnp.bfloat16), config, bits=4,
+                                    group_size=32)
+  cache = gemma.empty_cache(config, 2, 16, jnp.bfloat16)
   step = lambda p, c, t, pos: gemma.decode_step(p, config, c, t, pos, implementation=KERNEL)
-  hlo = jax.jit(step).lower(qparams, cache, jnp.zeros((2,), jnp.int32),
+  hlo = jax.jit(step).lower(qparams16, cache, jnp.zeros((2,), jnp.int32),
                             jnp.zeros((2,), jnp.int32)).compile()
   assert "jaxgpu_qlinear_fwd" in hlo.as_text()
 
