@@ -50,6 +50,26 @@ blas::GemmKey BaseKey(int device, DType t, int64_t m, int64_t n, int64_t k,
   return key;
 }
 
+// The GEMMs of a grouped call: one per group, or one for all when the weight (and bias) are
+// shared, the groups' rows then being one (G M, K) matrix.
+struct Grouping {
+  int64_t calls, rows;
+};
+Grouping GroupGemms(bool shared, int64_t groups, int64_t m) {
+  return shared ? Grouping{1, groups * m} : Grouping{groups, m};
+}
+
+// Operands with what every call sets: alpha 1, beta 0 (host floats that outlive the call),
+// and the workspace.
+blas::GemmOperands BaseOperands(void* workspace) {
+  static const float kOne = 1.f, kZero = 0.f;
+  blas::GemmOperands ops;
+  ops.alpha = &kOne;
+  ops.beta = &kZero;
+  ops.workspace = workspace;
+  return ops;
+}
+
 cublasLtEpilogue_t ForwardEpilogue(LinearEpilogue e, bool bias, bool aux) {
   switch (e) {
     case LinearEpilogue::kRelu: return bias ? CUBLASLT_EPILOGUE_RELU_BIAS : CUBLASLT_EPILOGUE_RELU;
@@ -75,21 +95,15 @@ ffi::Error LinearFwdCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer w
   }
   int device;
   JAXGPU_RETURN_IF_ERROR(Device(&device));
-  const bool fold = p.weight_groups == 1 && p.bias_groups <= 1;
-  const int64_t calls = fold ? 1 : p.groups;
-  const int64_t rows = fold ? p.groups * p.m : p.m;
-  const float alpha = 1.f, beta = 0.f;
-  for (int64_t g = 0; g < calls; ++g) {
-    blas::GemmOperands ops;
+  const Grouping grouping = GroupGemms(p.weight_groups == 1 && p.bias_groups <= 1, p.groups, p.m);
+  for (int64_t g = 0; g < grouping.calls; ++g) {
+    blas::GemmOperands ops = BaseOperands(p.workspace);
     ops.a = Offset(p.w, (p.weight_groups > 1 ? g : 0) * p.k * p.n, p.dtype);
     ops.b = Offset(p.x, g * p.m * p.k, p.dtype);
     ops.d = Offset(p.y, g * p.m * p.n, p.dtype);
     ops.bias = p.bias ? Offset(p.bias, (p.bias_groups > 1 ? g : 0) * p.n, p.dtype) : nullptr;
     ops.aux = p.aux ? Offset(p.aux, g * p.m * p.n, p.dtype) : nullptr;
-    ops.alpha = &alpha;
-    ops.beta = &beta;
-    ops.workspace = p.workspace;
-    blas::GemmKey key = BaseKey(device, p.dtype, p.n, rows, p.k, p.workspace_bytes);
+    blas::GemmKey key = BaseKey(device, p.dtype, p.n, grouping.rows, p.k, p.workspace_bytes);
     key.epilogue = ForwardEpilogue(p.epilogue, p.bias != nullptr, p.aux != nullptr);
     key.has_bias = p.bias != nullptr;
     key.bias_type = p.dtype;
@@ -108,19 +122,13 @@ ffi::Error LinearDgradCuda(cudaStream_t stream, ffi::AnyBuffer dz, ffi::AnyBuffe
   if (p.m == 0 || p.k == 0 || p.groups == 0) return ffi::Error::Success();
   int device;
   JAXGPU_RETURN_IF_ERROR(Device(&device));
-  const bool fold = p.weight_groups == 1;
-  const int64_t calls = fold ? 1 : p.groups;
-  const int64_t rows = fold ? p.groups * p.m : p.m;
-  const float alpha = 1.f, beta = 0.f;
-  for (int64_t g = 0; g < calls; ++g) {
-    blas::GemmOperands ops;
+  const Grouping grouping = GroupGemms(p.weight_groups == 1, p.groups, p.m);
+  for (int64_t g = 0; g < grouping.calls; ++g) {
+    blas::GemmOperands ops = BaseOperands(p.workspace);
     ops.a = Offset(p.w, (p.weight_groups > 1 ? g : 0) * p.k * p.n, p.dtype);
     ops.b = Offset(p.dz, g * p.m * p.n, p.dtype);
     ops.d = Offset(p.dx, g * p.m * p.k, p.dtype);
-    ops.alpha = &alpha;
-    ops.beta = &beta;
-    ops.workspace = p.workspace;
-    blas::GemmKey key = BaseKey(device, p.dtype, p.k, rows, p.n, p.workspace_bytes);
+    blas::GemmKey key = BaseKey(device, p.dtype, p.k, grouping.rows, p.n, p.workspace_bytes);
     key.trans_a = true;
     key.alignment = blas::PointerAlignment({ops.a, ops.b, ops.d});
     JAXGPU_RETURN_IF_ERROR(BlasError(blas::Matmul(key, ops, stream), "linear dgrad"));
@@ -146,16 +154,12 @@ ffi::Error LinearWgradCuda(cudaStream_t stream, ffi::AnyBuffer x, ffi::AnyBuffer
   }
   int device;
   JAXGPU_RETURN_IF_ERROR(Device(&device));
-  const float alpha = 1.f, beta = 0.f;
   for (int64_t g = 0; g < p.groups; ++g) {
-    blas::GemmOperands ops;
+    blas::GemmOperands ops = BaseOperands(p.workspace);
     ops.a = Offset(p.dz, g * p.m * p.n, p.dtype);
     ops.b = Offset(p.x, g * p.m * p.k, p.dtype);
     ops.d = Offset(p.dw, g * p.k * p.n, p.dtype);
     ops.bias = p.dbias ? Offset(p.dbias, g * p.n, p.dtype) : nullptr;
-    ops.alpha = &alpha;
-    ops.beta = &beta;
-    ops.workspace = p.workspace;
     blas::GemmKey key = BaseKey(device, p.dtype, p.n, p.k, p.m, p.workspace_bytes);
     key.trans_b = true;
     key.epilogue = p.dbias ? CUBLASLT_EPILOGUE_BGRADA : CUBLASLT_EPILOGUE_DEFAULT;

@@ -15,38 +15,13 @@
 #include <cstdint>
 
 #include "common/cuda_dispatch.cuh"
+#include "common/cuda_utils.cuh"
 #include "matmul/qlinear_cuda.h"
 
 namespace jaxgpu::cuda {
 namespace {
 
 constexpr int kThreads = 128;
-
-template <typename T>
-__device__ __forceinline__ float ToFloat(T v) {
-  return static_cast<float>(v);
-}
-template <>
-__device__ __forceinline__ float ToFloat(__nv_bfloat16 v) {
-  return __bfloat162float(v);
-}
-template <>
-__device__ __forceinline__ float ToFloat(__half v) {
-  return __half2float(v);
-}
-
-template <typename T>
-__device__ __forceinline__ T FromFloat(float v) {
-  return static_cast<T>(v);
-}
-template <>
-__device__ __forceinline__ __nv_bfloat16 FromFloat(float v) {
-  return __float2bfloat16_rn(v);
-}
-template <>
-__device__ __forceinline__ __half FromFloat(float v) {
-  return __float2half_rn(v);
-}
 
 template <typename T, int kBits>
 __global__ void __launch_bounds__(kThreads) QDequantKernel(QDequantParams p) {

@@ -59,6 +59,7 @@
 
 #include "common/cuda_dispatch.cuh"
 #include "common/cuda_utils.cuh"
+#include "attention/sm80/mma.cuh"
 #include "common/fast_div.cuh"
 #include "matmul/qlinear_cuda.h"
 #include "matmul/qlinear_params.h"
@@ -66,6 +67,10 @@
 namespace jaxgpu::cuda {
 namespace qlinear {
 namespace {
+
+// The mma.sync and ldmatrix wrappers of the attention kernels.
+using attention::sm80::Ldmatrix4;
+using attention::sm80::MmaType;
 
 // Build-time knobs for tuning runs (tools/qlinear_check.cu); the defaults are the measured
 // best on the H100 (int4 g128, 8192 x 28672: M = 16 88 us with kNWT = 2 at 3 blocks/SM
@@ -195,30 +200,6 @@ __device__ __forceinline__ uint32_t AndOr(uint32_t a, uint32_t mask, uint32_t ma
   uint32_t d;
   asm("lop3.b32 %0, %1, %2, %3, 0xea;\n" : "=r"(d) : "r"(a), "r"(mask), "r"(magic));
   return d;
-}
-
-template <typename T>
-__device__ __forceinline__ void Mma(float (&c)[4], const uint32_t (&a)[4], uint32_t b0,
-                                    uint32_t b1) {
-  if constexpr (kIsBf16<T>) {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  } else {
-    asm volatile(
-        "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
-        "{%8,%9}, {%0,%1,%2,%3};\n"
-        : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
-        : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
-  }
-}
-
-__device__ __forceinline__ void Ldmatrix4(uint32_t (&r)[4], uint32_t addr) {
-  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
-               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(addr));
 }
 
 // Dequantization of one lane's A fragments. The per-(feature, group) constants of a lane's
@@ -561,8 +542,8 @@ __global__ void __launch_bounds__(kThreads, (LaunchMinBlocks<kBits, kMT>()))
             Ldmatrix4(b, x_base + (tg * 8 * C::kXStride + kk * kQTileK + sp * 32) * 2);
 #pragma unroll
             for (int t = 0; t < kNWT; ++t) {
-              Mma<T>(acc[0][t][tg], af[t][0], b[0], b[1]);
-              Mma<T>(acc[kChains - 1][t][tg], af[t][1], b[2], b[3]);
+              MmaType<T>::Mma(acc[0][t][tg], af[t][0], b[0], b[1]);
+              MmaType<T>::Mma(acc[kChains - 1][t][tg], af[t][1], b[2], b[3]);
             }
           }
         }
