@@ -31,6 +31,18 @@ from jaxgpu import _family, _ffi, _implementation
 
 # ---- info -----------------------------------------------------------------------------------
 
+# The newest jax release line jaxgpu has been tested with (CI runs Python 3.11 with jax
+# 0.10.x; the GPU machine jax 0.11.2; the whole suite passed on Python 3.13 with jax
+# 0.12.0.1). A newer jax may change the FFI, custom_partitioning or sharding APIs jaxgpu uses.
+NEWEST_TESTED_JAX = (0, 12)
+
+
+def jax_newer_than_tested(version: str) -> bool:
+  """Whether jax `version` ('0.13.1', '0.12.0.dev20261201') is past NEWEST_TESTED_JAX's
+  release line."""
+  m = re.match(r"(\d+)\.(\d+)", version)
+  return bool(m) and (int(m.group(1)), int(m.group(2))) > NEWEST_TESTED_JAX
+
 
 def _dist_version(name: str) -> str | None:
   try:
@@ -127,6 +139,10 @@ def info() -> int:
   print(f"jaxgpu {jaxgpu.__version__}  ({Path(jaxgpu.__file__).parent})")
   print(f"jax {jax.__version__}, jaxlib {_dist_version('jaxlib') or '?'}, "
         f"Python {py} ({sys.platform}, {platform.machine()})")
+  if jax_newer_than_tested(jax.__version__):
+    newest = ".".join(map(str, NEWEST_TESTED_JAX))
+    print(f"warning: jax {jax.__version__} is newer than the newest jax jaxgpu was tested "
+          f"with ({newest}.x); if an op fails, pin jax<={newest}.* and report it")
   plugins = [f"{name} {v}" for name in ("jax-cuda13-plugin", "jax-cuda12-plugin")
              if (v := _dist_version(name))]
   print(f"JAX CUDA plugin: {', '.join(plugins) or 'none installed'}")

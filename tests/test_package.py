@@ -105,6 +105,16 @@ def test_eight_cpu_devices(cpu_devices):
   assert all(d.platform == "cpu" for d in cpu_devices)
 
 
+def test_jax_newer_than_tested():
+  from jaxgpu import __main__ as cli
+  major, minor = cli.NEWEST_TESTED_JAX
+  assert not cli.jax_newer_than_tested(f"{major}.{minor}.9")
+  assert not cli.jax_newer_than_tested("0.10.2")
+  assert cli.jax_newer_than_tested(f"{major}.{minor + 1}.0")
+  assert cli.jax_newer_than_tested(f"{major + 1}.0.0.dev20270101")
+  assert not cli.jax_newer_than_tested("unknown")
+
+
 def test_cli_info():
   if not (REPO / "jaxgpu" / "__main__.py").exists():
     pytest.skip("jaxgpu/__main__.py does not exist yet")
