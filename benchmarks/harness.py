@@ -27,6 +27,7 @@ from collections.abc import Callable, Sequence
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # benchlib, also under `python -P`
 
+from benchlib import plots  # noqa: E402
 from benchlib.device import CEILINGS  # noqa: E402
 from benchlib.record import Bench, Record  # noqa: E402
 from benchlib.results import (README, RESULTS_DIR, RESULTS_MD, merge_family,  # noqa: E402
@@ -44,6 +45,8 @@ def add_common_args(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
   p.add_argument("--impl", default=None,
                  help="comma-separated implementations (default: cuda,xla on GPU, cpu,xla on CPU)")
   p.add_argument("--repeats", type=int, default=None, help="override the number of repeats")
+  p.add_argument("--plot", action="store_true",
+                 help="after writing results/, redraw the PNG charts (needs matplotlib)")
   p.add_argument("--no-anchors", action="store_true",
                  help="skip the device-copy and dispatch-floor measurements")
   return p
@@ -145,6 +148,9 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
     write_results_md()
     write_readme_table(README)
     print(f"wrote {RESULTS_DIR / name}, {RESULTS_MD} and README.md's headline table")
+    if args.plot:
+      for path in plots.write_charts(RESULTS_DIR):
+        print(f"wrote {path}")
   if args.out:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -163,12 +169,17 @@ def _cli(argv: Sequence[str] | None = None) -> int:
                               "headline table from results/*.json")
   p.add_argument("--add", type=Path, nargs="*", default=[],
                  help="results JSON files (e.g. from the GPU machine's $OUT) to merge first")
+  p.add_argument("--plot", action="store_true",
+                 help="also redraw the PNG charts under results/charts/ (needs matplotlib)")
   args = p.parse_args(argv)
   for src in args.add:
     print(f"merged {src} into {merge_file(src)}")
   print(f"wrote {write_results_md()}")
   if write_readme_table(README):
     print(f"wrote the headline table of {README}")
+  if args.plot:
+    for path in plots.write_charts(RESULTS_DIR):
+      print(f"wrote {path}")
   return 0
 
 

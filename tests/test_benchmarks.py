@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
@@ -73,6 +75,20 @@ def test_repository_readme_table_is_generated():
   begin = text.index(results.README_BEGIN) + len(results.README_BEGIN)
   end = text.index(results.README_END)
   assert text[begin:end].strip() == results.render_readme_table().strip()
+
+
+def test_charts_are_drawn_from_the_results(tmp_path):
+  """Every chart renders from the repository's results (the PNGs the README shows are these
+  files, redrawn by `python3 benchmarks/harness.py --plot`)."""
+  pytest.importorskip("matplotlib")
+  from benchlib import plots
+
+  written = plots.write_charts(results.RESULTS_DIR, tmp_path)
+  assert {p.name for p in written} >= {"h100-attention.png", "h100-memory-bound.png",
+                                       "h100-model.png"}
+  for p in written:
+    assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and p.stat().st_size > 10_000
+    assert (results.RESULTS_DIR / "charts" / p.name).exists(), f"{p.name} is not committed"
 
 
 def test_quick_bench_runs_on_cpu(tmp_path):
