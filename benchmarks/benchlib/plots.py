@@ -28,6 +28,15 @@ def _records(doc: dict, family: str) -> list[Record]:
   return [Record.from_json(r) for r in entry["records"]] if entry else []
 
 
+def _save(fig, path: Path, plt, title: str | None = None) -> bool:
+  if title:
+    fig.suptitle(title)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return True
+
+
 def _attention_case(case: str):
   """'b4t4096n32h64-causal' -> (T, H, causal); None for another label."""
   m = re.fullmatch(r"b\d+t(\d+)n\d+(?:k\d+)?h(\d+)(-causal)?", case)
@@ -60,11 +69,7 @@ def attention_chart(doc: dict, path: Path, plt) -> bool:
       if col == 0:
         ax.set_ylabel("TFLOP/s")
       ax.legend(fontsize=7)
-  fig.suptitle(f"attention, bf16, {doc.get('device_kind', '')}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+  return _save(fig, path, plt, f"attention, bf16, {doc.get('device_kind', '')}")
 
 
 def memory_bound_chart(doc: dict, path: Path, plt) -> bool:
@@ -96,10 +101,7 @@ def memory_bound_chart(doc: dict, path: Path, plt) -> bool:
   ax.set_ylabel("GB/s (bytes that must move / time)")
   ax.set_title(f"memory-bound ops, forward, {doc.get('device_kind', '')}")
   ax.legend(fontsize=8, loc="lower left")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+  return _save(fig, path, plt)
 
 
 def _note_number(notes: str | None, pattern: str) -> float | None:
@@ -140,11 +142,7 @@ def model_chart(doc: dict, path: Path, plt) -> bool:
     ax.set_yscale("log" if "decode" in title else "linear")
     ax.set_title(title)
     ax.legend(fontsize=7)
-  fig.suptitle(f"jaxgpu.models.gemma, bf16, {doc.get('device_kind', '')}")
-  fig.tight_layout()
-  fig.savefig(path, dpi=110)
-  plt.close(fig)
-  return True
+  return _save(fig, path, plt, f"jaxgpu.models.gemma, bf16, {doc.get('device_kind', '')}")
 
 
 CHARTS = {"attention": attention_chart, "memory-bound": memory_bound_chart,
