@@ -139,6 +139,35 @@ ffi::Error Bias(const Buf& bias, bool has_bias, DType dtype, int64_t groups, int
   return ParamGroups(dims[0], groups, "bias");
 }
 
+// The quantized weight's group size: it divides K and is a multiple of 16 or K itself.
+inline ffi::Error GroupSize(int32_t group_size, int64_t k) {
+  if (group_size <= 0 || k % group_size != 0 || (group_size % 16 != 0 && group_size != k)) {
+    return ffi::Error::InvalidArgument(
+        "group_size: must divide K and be a multiple of 16 or K itself");
+  }
+  return ffi::Error::Success();
+}
+
+// A packed weight of `groups` (K, N) matrices (qlinear_params.h's layout) and its zero
+// points (scale_rows x N uint8 each), or an empty zeros without them.
+inline ffi::Error PackedAndZeros(const ffi::AnyBuffer& packed, const ffi::AnyBuffer& zeros,
+                                 bool has_zeros, int bits, int64_t groups, int64_t k, int64_t n,
+                                 int64_t scale_rows) {
+  const auto pd = packed.dimensions();
+  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 || pd[0] != groups ||
+      pd[1] != QTilesK(k) || pd[2] != QTilesN(n) || pd[3] != QWordsPerTile(bits)) {
+    return ffi::Error::InvalidArgument(
+        "packed: expected int32 (G, ceil(K / 64), ceil(N / 16), 32 * words per lane)");
+  }
+  if (has_zeros) {
+    return CheckBuffer(zeros, ffi::DataType::U8, groups * scale_rows * n, "zeros");
+  }
+  if (zeros.element_count() != 0) {
+    return ffi::Error::InvalidArgument("zeros: must be empty when has_zeros is false");
+  }
+  return ffi::Error::Success();
+}
+
 inline ffi::Error PositiveK(int64_t k) {
   if (k <= 0) return ffi::Error::InvalidArgument("x: K (the contracted dim) must be positive");
   return ffi::Error::Success();
@@ -248,10 +277,7 @@ inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi
   JAXGPU_RETURN_IF_ERROR(PositiveK(p->k));
   if (bits != 4 && bits != 8) return ffi::Error::InvalidArgument("bits: expected 4 or 8");
   p->bits = bits;
-  if (group_size <= 0 || p->k % group_size != 0 || (group_size % 16 != 0 && group_size != p->k)) {
-    return ffi::Error::InvalidArgument(
-        "group_size: must divide K and be a multiple of 16 or K itself");
-  }
+  JAXGPU_RETURN_IF_ERROR(GroupSize(group_size, p->k));
   p->group_size = group_size;
   if (activation < 0 || activation > static_cast<int32_t>(QActivation::kSilu)) {
     return ffi::Error::InvalidArgument("activation: expected a QActivation code in [0, 4]");
@@ -264,18 +290,8 @@ inline ffi::Error MakeQLinearParams(ffi::AnyBuffer x, ffi::AnyBuffer packed, ffi
     return ffi::Error::InvalidArgument("scales: expected shape (Gw, K / group_size, N)");
   }
   JAXGPU_RETURN_IF_ERROR(ParamGroups(p->weight_groups, p->groups, "scales"));
-  const auto pd = packed.dimensions();
-  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 || pd[0] != p->weight_groups ||
-      pd[1] != QTilesK(p->k) || pd[2] != QTilesN(p->n) || pd[3] != QWordsPerTile(bits)) {
-    return ffi::Error::InvalidArgument(
-        "packed: expected int32 (Gw, ceil(K / 64), ceil(N / 16), 32 * words per lane)");
-  }
-  if (has_zeros) {
-    JAXGPU_RETURN_IF_ERROR(
-        CheckBuffer(zeros, ffi::DataType::U8, p->weight_groups * scale_rows * p->n, "zeros"));
-  } else if (zeros.element_count() != 0) {
-    return ffi::Error::InvalidArgument("zeros: must be empty when has_zeros is false");
-  }
+  JAXGPU_RETURN_IF_ERROR(
+      PackedAndZeros(packed, zeros, has_zeros, bits, p->weight_groups, p->k, p->n, scale_rows));
   JAXGPU_RETURN_IF_ERROR(Bias(bias, has_bias, p->dtype, p->groups, p->n, &p->bias_groups));
   JAXGPU_RETURN_IF_ERROR(CheckBuffer(y, x.element_type(), p->groups * p->m * p->n, "y"));
   if (workspace->element_type() != ffi::DataType::F32) {
@@ -305,24 +321,12 @@ inline ffi::Error MakeQDequantParams(ffi::AnyBuffer packed, ffi::AnyBuffer scale
   if (w->element_type() != scales.element_type()) {
     return ffi::Error::InvalidArgument("w: must have the scales' dtype");
   }
-  if (group_size <= 0 || p->k % group_size != 0 || (group_size % 16 != 0 && group_size != p->k)) {
-    return ffi::Error::InvalidArgument(
-        "group_size: must divide K and be a multiple of 16 or K itself");
-  }
+  JAXGPU_RETURN_IF_ERROR(GroupSize(group_size, p->k));
   p->group_size = group_size;
   const int64_t rows = p->k / group_size;
   JAXGPU_RETURN_IF_ERROR(CheckDims(scales, {p->groups, rows, p->n}, "scales"));
-  const auto pd = packed.dimensions();
-  if (packed.element_type() != ffi::DataType::S32 || pd.size() != 4 || pd[0] != p->groups ||
-      pd[1] != QTilesK(p->k) || pd[2] != QTilesN(p->n) || pd[3] != QWordsPerTile(bits)) {
-    return ffi::Error::InvalidArgument(
-        "packed: expected int32 (G, ceil(K / 64), ceil(N / 16), 32 * words per lane)");
-  }
-  if (has_zeros) {
-    JAXGPU_RETURN_IF_ERROR(CheckBuffer(zeros, ffi::DataType::U8, p->groups * rows * p->n, "zeros"));
-  } else if (zeros.element_count() != 0) {
-    return ffi::Error::InvalidArgument("zeros: must be empty when has_zeros is false");
-  }
+  JAXGPU_RETURN_IF_ERROR(
+      PackedAndZeros(packed, zeros, has_zeros, bits, p->groups, p->k, p->n, rows));
   p->packed = static_cast<const int32_t*>(packed.untyped_data());
   p->scales = scales.untyped_data();
   p->zeros = has_zeros ? static_cast<const uint8_t*>(zeros.untyped_data()) : nullptr;

@@ -631,22 +631,17 @@ int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device) {
   return v;
 }
 
-// Splits of K for `base` blocks of `tile_bytes` x (k tiles) each, at most the workspace
-// allows and at least one stage per split. Default (FILL): as many as fill the resident
-// slots in one wave. Otherwise the fastest by a model of
-// an H100 streaming weights, in us: a block keeps (kStages - 1) x 16 KiB in flight and so
-// reads at most ~24 bytes/ns on its own (48 KiB per ~2 us of loaded latency); all blocks
-// together at most ~2800 bytes/ns; blocks beyond the resident slots run in further waves
-// (~1.5 us of fill each); a split adds a reduction kernel (~2 us plus its bytes).
-int ChooseSplits(int64_t base, int64_t kt, int ks, int64_t block_tile_bytes, int slots,
-                 int64_t out_elems, int64_t workspace_floats) {
+// Splits of K for `base` blocks over kt k tiles: as many as fill the resident slots in one
+// wave, at most what the workspace holds and at least one stage (ks tiles) per split.
+int ChooseSplits(int64_t base, int64_t kt, int ks, int slots, int64_t out_elems,
+                 int64_t workspace_floats) {
   int max_splits = int(kt < kMaxSplits ? kt : kMaxSplits);
   const int64_t by_ws = out_elems > 0 ? workspace_floats / out_elems : 0;
   if (by_ws < max_splits) max_splits = int(by_ws);
   const int64_t by_stage = kt / ks;  // at least one full stage per split
   if (by_stage < max_splits) max_splits = int(by_stage);
-  // Fill the resident slots in one wave (a throughput model of the split count measured
-  // no better on the H100).
+  // A throughput model of the split count (per-block and total bandwidth, wave fill,
+  // the reduction's cost) measured no better on the H100.
   int64_t splits = base < slots ? slots / base : 1;
   if (splits > max_splits) splits = max_splits;
   return int(splits < 1 ? 1 : splits);
@@ -700,7 +695,7 @@ cudaError_t Launch(const QLinearParams& p, cudaStream_t stream, int device, int 
   const int64_t base = p.groups * a.nblocks * a.mchunks;
   const int64_t out_elems = p.groups * p.m * p.n;
   const int64_t ws = p.workspace != nullptr ? p.workspace_floats : 0;
-  a.splits = ChooseSplits(base, a.kt, C::kKS, int64_t(C::kNB) * C::kTileBytes, slots, out_elems,
+  a.splits = ChooseSplits(base, a.kt, C::kKS, slots, out_elems,
                           ws < kMaxWorkspaceFloats ? ws : kMaxWorkspaceFloats);
   a.tiles_per_split = int(CeilDiv(a.kt, a.splits));
   a.splits = int(CeilDiv(a.kt, a.tiles_per_split));
