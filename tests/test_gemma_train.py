@@ -92,45 +92,68 @@ def local_shape(shape, spec, mesh) -> tuple:
   return tuple(n // (sharding.axis_size(mesh, a) if a else 1) for n, a in zip(shape, spec))
 
 
-def check_collectives(text, mesh, config):
-  """Only the collectives data and tensor parallelism need, and each the right one:
+def check_collectives(text, mesh, config, fsdp=False):
+  """Only the collectives data, tensor and fully sharded data parallelism need, and each
+  the right one:
     * kinds: all-reduce (and reduce-scatter / all-gather, which XLA may use in its place);
       no all-to-all or collective-permute;
     * groups: the "data" axis, the "model" axis, or all 8 devices (a replicated parameter's
       gradient summed over batch rows and heads), nothing else;
-    * every parameter's gradient is all-reduced over "data" (its local size appears among
-      the operands of the all-reduces over "data" or all devices);
+    * every parameter's gradient is reduced over "data" (its local size appears among the
+      results of the all-reduces / reduce-scatters over "data" or all devices);
     * no all-gather of a parameter that is sharded over "model", and no all-reduce over
       "model" of a gradient that is sharded there (it would mean the partitioner replicated
       a parameter that should stay split);
+    * with fsdp: every all-gather over "data" gathers one parameter's shard to its
+      tensor-parallel shape (weights, never activations), and every fsdp-split parameter is
+      gathered;
     * with a model axis: the tensor-parallel all-reduce of the (B/data, T, D) activations.
   """
   found = U.collectives(text)
   data, model = U.mesh_groups(mesh, "data"), U.mesh_groups(mesh, "model")
   everything = frozenset([frozenset(range(mesh.devices.size))])
-  specs = jax.tree.leaves(gemma.param_specs(config, mesh), is_leaf=lambda s: isinstance(s, P))
+  is_spec = lambda s: isinstance(s, P)
+  tp_specs = jax.tree.leaves(gemma.param_specs(config, mesh), is_leaf=is_spec)
+  specs = jax.tree.leaves(gemma.param_specs(config, mesh, fsdp), is_leaf=is_spec)
   shapes = jax.tree.leaves(gemma.param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
-  split = [(s, sp) for s, sp in zip(shapes, specs) if sharding.MODEL in tuple(sp)]
+  split = [(s, sp) for s, sp in zip(shapes, tp_specs) if sharding.MODEL in tuple(sp)]
   split_full = {s for s, _ in split}
   split_local = {local_shape(s, sp, mesh) for s, sp in split}
+  gathered = {local_shape(s, tp, mesh) for s, tp, sp in zip(shapes, tp_specs, specs)
+              if sharding.DATA in tuple(sp)}
   model_size = sharding.axis_size(mesh, "model")
-  grad_sizes = collections.Counter()
+  reduced = {"all-reduce": collections.Counter(), "reduce-scatter": collections.Counter()}
+  weight_gathers = set()
   tp_activation = False
   for c in found:
     assert c.kind in ALLOWED_KINDS, c.line
     assert c.groups in (data, model, everything), c.line
-    if c.kind == "all-gather":
+    if c.kind == "all-gather" and c.groups == data:
+      assert fsdp and set(c.shapes) <= gathered, c.line
+      weight_gathers |= set(c.shapes)
+    elif c.kind == "all-gather":
       assert not set(c.shapes) & split_full, c.line
-    if c.kind == "all-reduce" and c.groups in (data, everything):
-      grad_sizes.update(math.prod(s) for s in c.shapes)
+    if c.kind in ("all-reduce", "reduce-scatter") and c.groups in (data, everything):
+      reduced[c.kind].update(math.prod(s) for s in c.shapes)
     if c.kind == "all-reduce" and c.groups == model and model_size > 1:
       assert not set(c.shapes) & split_local, c.line
       b_local = B // sharding.axis_size(mesh, "data")
       tp_activation |= (b_local, T, config.d_model) in c.shapes
-  needed = collections.Counter(math.prod(local_shape(s, sp, mesh))
-                               for s, sp in zip(shapes, specs))
-  missing = needed - grad_sizes
-  assert not missing, f"gradients of these sizes are not all-reduced over data: {missing}"
+  missing = []
+  for s, tp, sp in zip(shapes, tp_specs, specs):
+    # An fsdp-split gradient: a reduce-scatter to its shard, or (backends without XLA's
+    # reduce-scatter rewrite, e.g. CPU) an all-reduce of its tensor-parallel shard, then a
+    # slice. Any other gradient: an all-reduce of its shard.
+    ways = [("all-reduce", math.prod(local_shape(s, tp, mesh)))]
+    if sp != tp:
+      ways.insert(0, ("reduce-scatter", math.prod(local_shape(s, sp, mesh))))
+    way = next(((k, n) for k, n in ways if reduced[k][n] > 0), None)
+    if way is None:
+      missing.append(s)
+    else:
+      reduced[way[0]][way[1]] -= 1
+  assert not missing, f"gradients of these parameters are not reduced over data: {missing}"
+  assert weight_gathers == gathered, f"fsdp weights never gathered: {gathered - weight_gathers}"
   assert tp_activation or model_size == 1
 
 
@@ -142,9 +165,12 @@ def bare(spec) -> tuple:
   return spec
 
 
-@pytest.mark.parametrize("version, shape", [(2, (4, 2)), (3, (2, 4)), (2, (8, 1))],
-                         ids=["gemma2-4x2", "gemma3-2x4", "gemma2-8x1"])
-def test_sharded_train_step_matches_one_device(version, shape, cpu_devices):
+@pytest.mark.parametrize("version, shape, fsdp",
+                         [(2, (4, 2), False), (3, (2, 4), False), (2, (8, 1), False),
+                          (2, (4, 2), True), (3, (8, 1), True)],
+                         ids=["gemma2-4x2", "gemma3-2x4", "gemma2-8x1", "gemma2-4x2-fsdp",
+                              "gemma3-8x1-fsdp"])
+def test_sharded_train_step_matches_one_device(version, shape, fsdp, cpu_devices):
   c = gemma.Config.tiny(version)
   mesh = jax.make_mesh(shape, ("data", "model"), devices=cpu_devices)
   opt = gemma.AdamW(learning_rate=1e-3, weight_decay=0.1, clip_norm=1.0)
@@ -157,13 +183,13 @@ def test_sharded_train_step_matches_one_device(version, shape, cpu_devices):
   params, state, m1 = gemma.train_step(params, state, one, **kw)
   _, _, m1b = gemma.train_step(params, state, one, **kw)
 
-  params = gemma.shard_params(U.random_params(c, 4), c, mesh)
+  params = gemma.shard_params(U.random_params(c, 4), c, mesh, fsdp=fsdp)
   state = gemma.init_opt_state(params)
   many = gemma.shard_batch(batch, mesh)
-  step = gemma.train_step.lower(params, state, many, mesh=mesh, **kw).compile()
-  check_collectives(step.as_text(), mesh, c)
+  step = gemma.train_step.lower(params, state, many, mesh=mesh, fsdp=fsdp, **kw).compile()
+  check_collectives(step.as_text(), mesh, c, fsdp)
   params, state, m2 = step(params, state, many)
-  specs = jax.tree.leaves(gemma.param_specs(c, mesh), is_leaf=lambda s: isinstance(s, P))
+  specs = jax.tree.leaves(gemma.param_specs(c, mesh, fsdp), is_leaf=lambda s: isinstance(s, P))
   for got, mu, spec in zip(jax.tree.leaves(params), jax.tree.leaves(state["mu"]), specs):
     # The parameters and their moments stay where they were.
     assert bare(got.sharding.spec) == bare(mu.sharding.spec) == bare(spec), (got.shape, spec)

@@ -78,13 +78,20 @@ def trunk(params, config: Config, tokens, positions, attend_for, *, implementati
   Returns:
     ((B, T, D) final-normed hidden states in the parameters' dtype, [extra per layer]).
   """
-  h = layers.embed(params["embed"], tokens)
+  h = layers.embed(sharding.gather_embed(params["embed"], config, mesh), tokens)
   h = sharding.constrain(h, mesh, sharding.batch_axis(mesh), None, None)
   d = None
   extras = []
+
+  def layer(p, h, d, positions, *, i):
+    # Under remat, the fsdp all-gather of the layer's weights is recomputed too: only one
+    # layer's gathered weights are live at a time.
+    return layers.block(sharding.gather_layer(p, config, mesh), h, d, positions,
+                        attend=attend_for(i), config=config, layer=i,
+                        implementation=implementation, mesh=mesh)
+
   for i, p in enumerate(params["layers"]):
-    fn = functools.partial(layers.block, attend=attend_for(i), config=config, layer=i,
-                           implementation=implementation, mesh=mesh)
+    fn = functools.partial(layer, i=i)
     if remat:
       fn = jax.checkpoint(fn)
     h, d, extra = fn(p, h, d, positions)
@@ -118,10 +125,11 @@ def softcap(x, cap):
   return x if cap is None else cap * jnp.tanh(x / cap)
 
 
-def output_logits(y, params, config: Config):
+def output_logits(y, params, config: Config, mesh=None):
   """Float32 logits of hidden states y (..., D): the tied embedding as output projection
   (float32 accumulation and result), then the final softcap."""
-  z = jnp.einsum("...d,vd->...v", y, params["embed"], preferred_element_type=jnp.float32)
+  table = sharding.gather_embed(params["embed"], config, mesh)
+  z = jnp.einsum("...d,vd->...v", y, table, preferred_element_type=jnp.float32)
   return softcap(z, config.final_logit_softcap)
 
 
@@ -152,7 +160,7 @@ def forward(params, config: Config, tokens, *, positions=None, segment_ids=None,
   """
   y = hidden_states(params, config, tokens, positions=positions, segment_ids=segment_ids,
                     implementation=implementation, mesh=mesh, remat=remat)
-  z = output_logits(y, params, config)
+  z = output_logits(y, params, config, mesh)
   return sharding.constrain(z, mesh, sharding.batch_axis(mesh), None, None)
 
 
@@ -182,7 +190,7 @@ def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
   attend_for = lambda i: self_attend(config, i, implementation, mesh, segment_ids)
   y, _ = trunk(params, config, tokens, positions, attend_for, implementation=implementation,
                mesh=mesh, remat=remat)
-  logits = jnp.einsum("btd,vd->btv", y, params["embed"])
+  logits = jnp.einsum("btd,vd->btv", y, sharding.gather_embed(params["embed"], config, mesh))
   logits = sharding.constrain(logits, mesh, sharding.batch_axis(mesh), None, None)
   if segment_ids is not None:
     real = segment_ids != 0

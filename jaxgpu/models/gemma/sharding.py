@@ -1,6 +1,7 @@
-"""Data and tensor parallelism for the Gemma model on a Mesh with axes ("data", "model").
+"""Data, tensor and fully sharded data parallelism for the Gemma model on a Mesh with axes
+("data", "model").
 
-Parameters (Megatron-style tensor parallelism on "model", nothing sharded on "data"):
+Parameters (Megatron-style tensor parallelism on "model"; on "data" only with fsdp=True):
   * q (D, N, H) and o (N, H, D): the heads N on "model" when the model axis divides N.
   * k, v (D, K, H): the kv heads on "model" when the model axis also divides K. Otherwise
     (e.g. gemma3_1b's single kv head) they are replicated, and the model repeats each kv head
@@ -15,6 +16,15 @@ Parameters (Megatron-style tensor parallelism on "model", nothing sharded on "da
     every model shard computes its batch rows' logits itself: no collective, at the cost
     of repeating the (B*T, D) x (D, V) product on each model shard. A vocabulary-parallel
     fused linear + cross-entropy (issue 27) is what would let it be sharded.
+With fsdp=True (fully sharded data parallelism, ZeRO-3), every matrix is also split over
+"data" along its largest axis that "model" leaves whole and "data" divides (q, k, v, gate,
+up: D; o, down: D; embed: V), and the AdamW moments with it. Each use of a layer's weights
+gathers them first (`gather_layer`: a constraint to the tensor-parallel specs, which XLA
+turns into an all-gather over "data" right before the layer, repeated in the backward pass
+under remat), and the gradients leave the step split again (a reduce-scatter over "data"
+where plain data parallelism all-reduces). Parameters, gradients and optimizer state then
+take 1/data of their data-parallel memory per device; the cost is one all-gather of the
+weights per pass.
 Activations: the batch on "data"; q, k, v and attention outputs on "model" by head; the
 MLP's hidden activations on "model". So a training step needs: the all-reduce of the
 gradients over "data", and the tensor-parallel all-reduces over "model" (after o and down
@@ -35,7 +45,7 @@ import jax
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from jaxgpu.models.gemma.config import Config
-from jaxgpu.models.gemma.params import NORMS
+from jaxgpu.models.gemma.params import NORMS, layer_shapes
 
 DATA = "data"
 MODEL = "model"
@@ -89,7 +99,22 @@ def ffn_sharded(config: Config, mesh) -> bool:
   return m > 1 and config.ffn_dim % m == 0
 
 
-def layer_specs(config: Config, mesh) -> dict:
+def _fully_sharded(spec: P, shape: tuple, mesh) -> P:
+  """spec with "data" on the largest axis of `shape` that spec leaves whole and the data
+  axis divides (the spec itself for vectors, or when no axis qualifies)."""
+  data = axis_size(mesh, DATA)
+  axes = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
+  if data == 1 or len(shape) < 2:
+    return spec
+  free = [i for i, a in enumerate(axes) if a is None and shape[i] % data == 0]
+  if not free:
+    return spec
+  i = max(free, key=lambda j: shape[j])
+  return P(*(DATA if j == i else a for j, a in enumerate(axes)))
+
+
+def layer_specs(config: Config, mesh, fsdp: bool = False) -> dict:
+  """PartitionSpecs of one decoder layer's parameters (module docstring)."""
   heads = MODEL if heads_sharded(config, mesh) else None
   kv = MODEL if kv_sharded(config, mesh) else None
   ffn = MODEL if ffn_sharded(config, mesh) else None
@@ -98,31 +123,61 @@ def layer_specs(config: Config, mesh) -> dict:
                o=P(heads, None, None), gate=P(None, ffn), up=P(None, ffn), down=P(ffn, None))
   if config.qk_norm:
     specs.update(q_norm=P(None), k_norm=P(None))
+  if fsdp:
+    shapes = layer_shapes(config)
+    specs = {k: _fully_sharded(s, shapes[k], mesh) for k, s in specs.items()}
   return specs
 
 
-def param_specs(config: Config, mesh) -> dict:
+def embed_spec(config: Config, mesh, fsdp: bool = False) -> P:
+  spec = P(None, None)
+  return _fully_sharded(spec, (config.vocab_size, config.d_model), mesh) if fsdp else spec
+
+
+def param_specs(config: Config, mesh, fsdp: bool = False) -> dict:
   """A PartitionSpec for every parameter, in the parameter pytree's structure (see the
-  module docstring for the choices)."""
-  return {"embed": P(None, None), "final_norm": P(None),
-          "layers": [layer_specs(config, mesh) for _ in range(config.n_layers)]}
+  module docstring for the choices; fsdp=True also splits the matrices over "data")."""
+  return {"embed": embed_spec(config, mesh, fsdp), "final_norm": P(None),
+          "layers": [layer_specs(config, mesh, fsdp) for _ in range(config.n_layers)]}
+
+
+def _dense(x) -> bool:
+  return isinstance(x, jax.Array) or hasattr(x, "aval")
+
+
+def gather_layer(p: dict, config: Config, mesh) -> dict:
+  """A layer's parameters constrained to the tensor-parallel specs, where they are used:
+  with fsdp-placed parameters, the all-gather over "data" of that layer's weights (and in
+  the backward pass, the reduce-scatter of their gradients); otherwise a no-op. Quantized
+  weights (generation) are left as they are."""
+  if mesh is None:
+    return p
+  specs = layer_specs(config, mesh)
+  return {k: constrain(v, mesh, *specs[k]) if k in specs and _dense(v) else v
+          for k, v in p.items()}
+
+
+def gather_embed(table, config: Config, mesh):
+  """The embedding table at a use (lookup or output projection): replicated (see
+  gather_layer)."""
+  return constrain(table, mesh, *embed_spec(config, mesh))
 
 
 def _is_spec(x) -> bool:
   return isinstance(x, P)
 
 
-def param_shardings(config: Config, mesh) -> dict:
+def param_shardings(config: Config, mesh, fsdp: bool = False) -> dict:
   """NamedShardings for every parameter (param_specs on `mesh`)."""
   mesh = auto_mesh(mesh)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh),
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(config, mesh, fsdp),
                       is_leaf=_is_spec)
 
 
-def shard_params(params, config: Config, mesh):
+def shard_params(params, config: Config, mesh, fsdp: bool = False):
   """params (or any pytree of the parameters' structure, e.g. AdamW moments) placed on
   `mesh` with param_specs."""
-  return jax.device_put(params, param_shardings(config, mesh))
+  return jax.device_put(params, param_shardings(config, mesh, fsdp))
 
 
 def batch_sharding(mesh) -> NamedSharding:

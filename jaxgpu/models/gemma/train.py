@@ -53,9 +53,9 @@ def init_opt_state(params) -> dict:
           "nu": jax.tree.map(zeros, params)}
 
 
-def opt_state_specs(config: Config, mesh) -> dict:
+def opt_state_specs(config: Config, mesh, fsdp: bool = False) -> dict:
   """PartitionSpecs of the optimizer state: the moments as their parameters."""
-  specs = sharding.param_specs(config, mesh)
+  specs = sharding.param_specs(config, mesh, fsdp)
   return {"step": P(), "mu": specs, "nu": specs}
 
 
@@ -105,9 +105,9 @@ def _check_batch(batch):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "implementation", "mesh",
-                                             "remat"), donate_argnums=(0, 1))
+                                             "remat", "fsdp"), donate_argnums=(0, 1))
 def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = AdamW(),
-               implementation=None, mesh=None, remat: bool = False):
+               implementation=None, mesh=None, remat: bool = False, fsdp: bool = False):
   """One training step: loss, gradients, AdamW. Jitted; params and opt_state are donated
   (their buffers are reused for the new ones: do not use the arguments afterwards).
 
@@ -123,13 +123,15 @@ def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = A
       shard_params / shard_batch (and init_opt_state of the placed params) to avoid a
       relayout on entry.
     remat: recompute each layer's activations in the backward pass (static).
+    fsdp: fully sharded data parallelism (static): parameters, gradients and moments also
+      split over "data" (sharding.py; place them with shard_params(..., fsdp=True)).
 
   Returns:
     (params, opt_state, {"loss": float32 loss before the update, "grad_norm": the global
     gradient norm before clipping, "lr": the learning rate used}).
   """
   _check_batch(batch)
-  specs = sharding.param_specs(config, mesh)
+  specs = sharding.param_specs(config, mesh, fsdp)
   batch = {k: sharding.constrain(v, mesh, sharding.batch_axis(mesh)) for k, v in batch.items()}
   params = sharding.constrain_tree(params, specs, mesh)
 
@@ -142,5 +144,5 @@ def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = A
   grads = sharding.constrain_tree(grads, specs, mesh)
   params, opt_state, metrics = adamw_update(params, grads, opt_state, optimizer)
   params = sharding.constrain_tree(params, specs, mesh)
-  opt_state = sharding.constrain_tree(opt_state, opt_state_specs(config, mesh), mesh)
+  opt_state = sharding.constrain_tree(opt_state, opt_state_specs(config, mesh, fsdp), mesh)
   return params, opt_state, {"loss": value, **metrics}
