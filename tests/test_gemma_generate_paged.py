@@ -171,3 +171,38 @@ def test_decoding_updates_the_donated_pools_in_place(version):
     hlo = lowered.compile().as_text()
     assert "jaxgpu_paged_kv_update_fwd" in hlo and "input_output_alias" in hlo
     assert _pool_copies(hlo, shapes) == []
+
+
+# ---- tensor-parallel decoding on fake CPU devices -----------------------------------------
+
+
+@pytest.mark.parametrize("cache", ["paged", "contiguous"])
+def test_tensor_parallel_generation_matches_one_device(cache, cpu_devices):
+  """Heads, kv heads and the MLP split over a 2-device "model" axis, the cache by kv heads:
+  the same tokens as one device, and a decode loop whose only collectives are the
+  all-reduces of (B, 1, D) activations over "model" (no gather of the cache or weights)."""
+  c = gemma.Config.tiny(2)   # 4 heads, 2 kv heads: both split over 2 devices
+  mesh = jax.make_mesh((1, 2), ("data", "model"), devices=cpu_devices[:2])
+  params = U.random_params(c, 61)
+  prompts = prompts_for(c, 62)
+  kw = dict(end_token=-1, implementation=KERNEL, cache=cache, page_size=8)
+  want = gemma.generate(params, c, prompts, 6, **kw)
+  placed = gemma.shard_params(params, c, mesh)
+  got = gemma.generate(placed, c, prompts, 6, mesh=mesh, **kw)
+  np.testing.assert_array_equal(np.asarray(got.tokens), np.asarray(want.tokens))
+
+  b = len(prompts)
+  kv = gemma.shard_cache(gemma.empty_cache(c, b, 40, jnp.float32, cache=cache, page_size=8),
+                         c, mesh)
+  pools = kv.pages if cache == "paged" else kv
+  assert pools[0]["k"].sharding.spec[2] == "model"
+  tokens = jnp.ones((b,), jnp.int32)
+  loop = gemma.decode.lower(placed, c, kv, jnp.zeros((b, c.vocab_size)), tokens,
+                            jax.random.key(0), -1, max_new_tokens=4, implementation=KERNEL,
+                            mesh=mesh).compile()
+  found = U.collectives(loop.as_text())
+  model = U.mesh_groups(mesh, "model")
+  assert found
+  for col in found:
+    assert col.kind == "all-reduce" and col.groups == model, col.line
+    assert all(s in ((b, 1, c.d_model), ()) for s in col.shapes), col.line

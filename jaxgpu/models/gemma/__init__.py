@@ -8,7 +8,8 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   model.py     forward, hidden_states, loss
   train.py     AdamW, init_opt_state, opt_state_specs, train_step
   generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache,
-               PagedCache (the paged KV cache), resolve_cache
+               PagedCache (the paged KV cache), resolve_cache, shard_cache,
+               cache_shardings
   quantize.py  quantize_params: int8 / int4 projection weights for generation
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
   checkpoint.py  load_hf_checkpoint, save_hf_checkpoint, config_from_hf, hf_config_from
@@ -17,9 +18,10 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
 from jaxgpu.models.gemma.checkpoint import (config_from_hf, hf_config_from,
                                             load_hf_checkpoint, save_hf_checkpoint)
 from jaxgpu.models.gemma.config import Config
-from jaxgpu.models.gemma.generate import (GenerateOutput, PagedCache, Sampling, decode,
-                                          decode_step, empty_cache, generate, prefill,
-                                          resolve_cache, sample)
+from jaxgpu.models.gemma.generate import (GenerateOutput, PagedCache, Sampling,
+                                          cache_shardings, decode, decode_step, empty_cache,
+                                          generate, prefill, resolve_cache, sample,
+                                          shard_cache)
 from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
 from jaxgpu.models.gemma.quantize import quantize_params
@@ -34,6 +36,7 @@ __all__ = [
     "PagedCache",
     "Sampling",
     "batch_sharding",
+    "cache_shardings",
     "check_params",
     "config_from_hf",
     "decode",
@@ -57,6 +60,7 @@ __all__ = [
     "sample",
     "save_hf_checkpoint",
     "shard_batch",
+    "shard_cache",
     "shard_params",
     "train_step",
 ]

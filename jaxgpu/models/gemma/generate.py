@@ -55,6 +55,15 @@ step runs inside one jax.lax.while_loop with sampling, so there is no host round
 token and no recompilation per step. The cache is donated and written in place (one
 token's K x H per layer and row: no cache copy).
 
+Tensor parallelism (`mesh=` of generate, prefill, decode and decode_step, a Mesh with a
+"model" axis): the parameters placed with shard_params (heads, kv heads and the MLP's hidden
+axis split over "model", sharding.py) and the cache with shard_cache: its kv-head axis split
+as the k and v projections' are, so that each device writes and reads only its kv heads'
+pages and attention needs no collective. The step's collectives are the two all-reduces per
+layer of the Megatron layout (after o and after down) on (B, 1, D) activations. A model whose
+kv heads the model axis does not divide (gemma3_1b's one kv head) keeps the cache
+replicated.
+
 An 8-bit cache would add per-token scales beside each pool ({"k", "v", "k_scale",
 "v_scale"}) and pass them to both ops; `_paged_attend` and `_paged_prefill` are the only
 places that read or write the pools.
@@ -79,7 +88,7 @@ import numpy as np
 
 import jaxgpu
 from jaxgpu import _implementation
-from jaxgpu.models.gemma import layers
+from jaxgpu.models.gemma import layers, sharding
 from jaxgpu.models.gemma.config import Config
 from jaxgpu.models.gemma.model import (check_tokens, default_positions, output_logits,
                                        self_attend, trunk)
@@ -247,8 +256,25 @@ def _to_cache(kv, lengths, size: int):
   return jnp.take_along_axis(kv, src[:, :, None, None], axis=1)
 
 
+def cache_shardings(cache, config: Config, mesh):
+  """NamedShardings for a cache (PagedCache or contiguous list, arrays or shapes): the
+  pools' kv-head axis on "model" (sharding.cache_spec), the block tables replicated."""
+  mesh = sharding.auto_mesh(mesh)
+  pool = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+      *sharding.cache_spec(config, mesh)))
+  whole = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  if isinstance(cache, PagedCache):
+    return PagedCache(jax.tree.map(lambda _: pool, cache.pages), whole, whole)
+  return jax.tree.map(lambda _: pool, cache)
+
+
+def shard_cache(cache, config: Config, mesh):
+  """cache placed on `mesh` for tensor-parallel decoding (cache_shardings)."""
+  return jax.device_put(cache, cache_shardings(cache, config, mesh))
+
+
 def _paged_prefill(config: Config, kvs, lengths, cache_len: int, page_size: int,
-                   implementation) -> PagedCache:
+                   implementation, mesh=None) -> PagedCache:
   """The prompts' (B, T, K, H) keys and values of every layer written into fresh pools."""
   k0 = kvs[0][0]
   cache = empty_cache(config, k0.shape[0], cache_len, k0.dtype, cache="paged",
@@ -266,6 +292,8 @@ def _paged_prefill(config: Config, kvs, lengths, cache_len: int, page_size: int,
     table = cache.window_table if local else cache.block_table
     kp, vp = jaxgpu.paged_kv_update(pool["k"], pool["v"], k, v, table, write[local],
                                     implementation=implementation)
+    spec = sharding.cache_spec(config, mesh)
+    kp, vp = (sharding.constrain(x, mesh, *spec) for x in (kp, vp))
     pages.append({"k": kp, "v": vp})
   return cache._replace(pages=pages)
 
@@ -279,9 +307,9 @@ def _check_lengths(lengths, tokens):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "cache_len", "implementation", "cache",
-                                             "page_size"))
+                                             "page_size", "mesh"))
 def prefill(params, config: Config, tokens, lengths, *, cache_len: int, implementation=None,
-            cache: str | None = None, page_size: int = PAGE_SIZE):
+            cache: str | None = None, page_size: int = PAGE_SIZE, mesh=None):
   """Runs the prompts and builds the KV cache.
 
   Args:
@@ -291,6 +319,7 @@ def prefill(params, config: Config, tokens, lengths, *, cache_len: int, implemen
       plus the tokens to generate).
     cache: 'paged', 'contiguous', or None for the default of `implementation`
       (resolve_cache); page_size: tokens per page of a paged cache.
+    mesh: None, or a Mesh with a "model" axis: tensor parallelism (module docstring).
 
   Returns:
     (logits (B, V) float32 at each row's last prompt token, the cache (module docstring)).
@@ -304,20 +333,25 @@ def prefill(params, config: Config, tokens, lengths, *, cache_len: int, implemen
   kind = resolve_cache(cache, config, implementation)
   if kind == "paged":
     page_size = _check_page_size(page_size)
-  attend_for = lambda i: self_attend(config, i, implementation, None, None)
+  attend_for = lambda i: self_attend(config, i, implementation, mesh, None)
   y, kvs = trunk(params, config, tokens, default_positions(tokens), attend_for,
-                 implementation=implementation)
+                 implementation=implementation, mesh=mesh)
   last = jnp.take_along_axis(y, (lengths - 1)[:, None, None], axis=1)[:, 0]
   if kind == "paged":
-    kv_cache = _paged_prefill(config, kvs, lengths, cache_len, page_size, implementation)
+    kv_cache = _paged_prefill(config, kvs, lengths, cache_len, page_size, implementation,
+                              mesh)
   else:
-    kv_cache = [{"k": _to_cache(k, lengths, size), "v": _to_cache(v, lengths, size)}
+    spec = sharding.cache_spec(config, mesh)
+    kv_cache = [{"k": sharding.constrain(_to_cache(k, lengths, size), mesh, *spec),
+                 "v": sharding.constrain(_to_cache(v, lengths, size), mesh, *spec)}
                 for (k, v), size in zip(kvs, cache_sizes(config, cache_len))]
-  return output_logits(last, params, config), kv_cache
+  return output_logits(last, params, config, mesh), kv_cache
 
 
-def _contiguous_attend(config: Config, cache: list, i: int, positions, implementation):
+def _contiguous_attend(config: Config, cache: list, i: int, positions, implementation,
+                       mesh=None):
   b = positions.shape[0]
+  spec = sharding.cache_spec(config, mesh)
   rows = jnp.arange(b)
   query_ids = jnp.ones((b, 1), jnp.int32)
 
@@ -329,6 +363,7 @@ def _contiguous_attend(config: Config, cache: list, i: int, positions, implement
                                           unique_indices=True)
     vc = cache[i]["v"].at[rows, slot].set(v[:, 0], indices_are_sorted=True,
                                           unique_indices=True)
+    kc, vc = (sharding.constrain(x, mesh, *spec) for x in (kc, vc))
     visible = (jnp.arange(size, dtype=jnp.int32)[None, :] <= positions[:, None])
     o = layers.attention(q, kc, vc, config=config, layer=i, implementation=implementation,
                          is_causal=False, windowed=False, q_segment_ids=query_ids,
@@ -337,33 +372,38 @@ def _contiguous_attend(config: Config, cache: list, i: int, positions, implement
   return attend
 
 
-def _paged_attend(config: Config, cache: PagedCache, i: int, positions, implementation):
+def _paged_attend(config: Config, cache: PagedCache, i: int, positions, implementation,
+                  mesh=None):
   table = cache.window_table if config.is_local(i) else cache.block_table
+  spec = sharding.cache_spec(config, mesh)
 
   def attend(q, k, v):
     pool = cache.pages[i]
     kp, vp = jaxgpu.paged_kv_update(pool["k"], pool["v"], k, v, table, positions[:, None],
                                     implementation=implementation)
+    kp, vp = (sharding.constrain(x, mesh, *spec) for x in (kp, vp))
     o = layers.paged_attention(q, kp, vp, table, positions + 1, config=config, layer=i,
                                implementation=implementation)
     return o, {"k": kp, "v": vp}
   return attend
 
 
-def _step(params, config: Config, cache, tokens, positions, implementation):
+def _step(params, config: Config, cache, tokens, positions, implementation, mesh=None):
   """One token per row at `positions`: (logits (B, V) float32, the updated cache)."""
   paged = isinstance(cache, PagedCache)
   attend = _paged_attend if paged else _contiguous_attend
-  attend_for = lambda i: attend(config, cache, i, positions, implementation)
+  attend_for = lambda i: attend(config, cache, i, positions, implementation, mesh)
   y, layer_caches = trunk(params, config, tokens[:, None], positions[:, None], attend_for,
-                          implementation=implementation)
+                          implementation=implementation, mesh=mesh)
   if paged:
     layer_caches = cache._replace(pages=layer_caches)
-  return output_logits(y[:, 0], params, config), layer_caches
+  return output_logits(y[:, 0], params, config, mesh), layer_caches
 
 
-@functools.partial(jax.jit, static_argnames=("config", "implementation"), donate_argnums=(2,))
-def decode_step(params, config: Config, cache, tokens, positions, *, implementation=None):
+@functools.partial(jax.jit, static_argnames=("config", "implementation", "mesh"),
+                   donate_argnums=(2,))
+def decode_step(params, config: Config, cache, tokens, positions, *, implementation=None,
+                mesh=None):
   """One decoding step (jitted; the cache is donated and updated in place).
 
   Args:
@@ -371,18 +411,21 @@ def decode_step(params, config: Config, cache, tokens, positions, *, implementat
     follows the cache's layout). tokens: (B,) int32, each row's newest token; positions:
     (B,) int32, its position (prompt length + tokens generated before it), below the
     cache's cache_len.
+    mesh: None, or a Mesh with a "model" axis for tensor-parallel decoding (static): the
+    parameters placed with shard_params, the cache with shard_cache (sharded by kv heads).
 
   Returns:
     (logits (B, V) float32 for the next token, the cache with this token's keys written).
   """
   return _step(params, config, cache, tokens.astype(jnp.int32), positions.astype(jnp.int32),
-               implementation)
+               implementation, mesh)
 
 
 @functools.partial(jax.jit, static_argnames=("config", "max_new_tokens", "sampling",
-                                             "implementation"), donate_argnums=(2,))
+                                             "implementation", "mesh"), donate_argnums=(2,))
 def decode(params, config: Config, cache, logits, positions, key, end_token, *,
-           max_new_tokens: int, sampling: Sampling = Sampling(), implementation=None):
+           max_new_tokens: int, sampling: Sampling = Sampling(), implementation=None,
+           mesh=None):
   """The decode loop (jitted, one jax.lax.while_loop; the cache is donated).
 
   Args:
@@ -393,6 +436,7 @@ def decode(params, config: Config, cache, logits, positions, key, end_token, *,
     key: a jax.random key (unused when greedy).
     end_token: int32 scalar; a row stops after producing it.
     max_new_tokens: static int >= 1. sampling: static Sampling.
+    mesh: as decode_step (tensor-parallel decoding).
 
   Returns:
     (GenerateOutput, the final cache). The loop ends when every row has stopped or
@@ -412,7 +456,7 @@ def decode(params, config: Config, cache, logits, positions, key, end_token, *,
 
   def body(state):
     i, cache, token, pos, done, out, lengths = state
-    logits, cache = _step(params, config, cache, token, pos, implementation)
+    logits, cache = _step(params, config, cache, token, pos, implementation, mesh)
     token = jnp.where(done, pad, sample(logits, jax.random.fold_in(key, i), sampling))
     out = jax.lax.dynamic_update_slice(out, token[:, None], (jnp.int32(0), i))
     lengths = lengths + (~done).astype(jnp.int32)
@@ -443,7 +487,8 @@ def _check_prompts(prompts, config: Config):
 
 def generate(params, config: Config, prompts, max_new_tokens: int, *, temperature=0.0,
              top_k=None, top_p=None, key=None, end_token=None, implementation=None,
-             cache: str | None = None, page_size: int = PAGE_SIZE) -> GenerateOutput:
+             cache: str | None = None, page_size: int = PAGE_SIZE,
+             mesh=None) -> GenerateOutput:
   """Generates up to max_new_tokens tokens after each prompt (batched).
 
   Args:
@@ -460,6 +505,8 @@ def generate(params, config: Config, prompts, max_new_tokens: int, *, temperatur
       with jaxgpu's kernels, contiguous on the 'xla' path (resolve_cache). Both give the
       same tokens.
     page_size: tokens per page of the paged cache, a positive multiple of 8.
+    mesh: None, or a Mesh with a "model" axis for tensor-parallel generation (the params
+      placed with shard_params on it; module docstring).
 
   Returns:
     GenerateOutput(tokens (B, max_new_tokens) int32, lengths (B,) int32).
@@ -490,8 +537,9 @@ def generate(params, config: Config, prompts, max_new_tokens: int, *, temperatur
   lengths = np.asarray([len(r) for r in rows], np.int32)
   end = config.eos_token_id if end_token is None else int(end_token)
   logits, kv_cache = prefill(params, config, tokens, lengths, cache_len=cache_len,
-                             implementation=implementation, cache=kind, page_size=page_size)
+                             implementation=implementation, cache=kind, page_size=page_size,
+                             mesh=mesh)
   out, _ = decode(params, config, kv_cache, logits, lengths, key, end,
                   max_new_tokens=int(max_new_tokens), sampling=sampling,
-                  implementation=implementation)
+                  implementation=implementation, mesh=mesh)
   return out

@@ -163,6 +163,12 @@ def gather_embed(table, config: Config, mesh):
   return constrain(table, mesh, *embed_spec(config, mesh))
 
 
+def cache_spec(config: Config, mesh) -> P:
+  """The KV cache's pools (P, page_size, K, H) or contiguous slots (B, S, K, H): the kv
+  heads on "model" as the k and v projections split them (replicated where they do not)."""
+  return P(None, None, MODEL if kv_sharded(config, mesh) else None, None)
+
+
 def _is_spec(x) -> bool:
   return isinstance(x, P)
 
