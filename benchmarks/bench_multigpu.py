@@ -109,6 +109,22 @@ def _global(array, sharding):
   return jax.make_array_from_callback(array.shape, sharding, lambda idx: array[idx])
 
 
+def _init_params(config, shardings):
+  """The same random parameters in every process, placed with `shardings` (None: this
+  process's device). Initialized eagerly: XLA takes minutes to compile the whole
+  initializer of a 2B model as one jitted program."""
+  import jax
+  import jax.numpy as jnp
+  import numpy as np
+
+  from jaxgpu.models import gemma
+
+  params = gemma.init_params(config, jax.random.key(0), jnp.bfloat16)
+  if shardings is None:
+    return params
+  return jax.tree.map(lambda x, s: _global(np.asarray(x), s), params, shardings)
+
+
 def _mesh(case: str, n: int):
   import jax
 
@@ -174,8 +190,7 @@ def train_case(config, name: str, case: str, args) -> dict:
                           gemma.opt_state_specs(config, mesh, fsdp),
                           is_leaf=lambda s: isinstance(s, P))
     bshard = gemma.batch_sharding(mesh)
-  params = jax.jit(lambda k: gemma.init_params(config, k, jnp.bfloat16),
-                   out_shardings=pshard)(jax.random.key(0))
+  params = _init_params(config, pshard)
   state = jax.jit(gemma.init_opt_state, out_shardings=oshard)(params)
   tokens = np.random.default_rng(0).integers(0, config.vocab_size, (b, t + 1)).astype(np.int32)
   batch = {"tokens": tokens[:, :-1], "targets": tokens[:, 1:]}
@@ -217,8 +232,7 @@ def decode_case(config, name: str, args) -> list[dict]:
   mesh = _mesh("decode", n)
   whole = None if mesh is None else NamedSharding(sharding.auto_mesh(mesh), P())
   pshard = None if mesh is None else gemma.param_shardings(config, mesh)
-  params = jax.jit(lambda k: gemma.init_params(config, k, jnp.bfloat16),
-                   out_shardings=pshard)(jax.random.key(0))
+  params = _init_params(config, pshard)
   steps = DECODE_TOKENS
   cache_len = args.context + steps
   out = []
