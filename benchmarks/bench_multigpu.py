@@ -167,7 +167,6 @@ def _local_shapes(config, mesh, fsdp: bool) -> set:
 
 def train_case(config, name: str, case: str, args) -> dict:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
@@ -221,7 +220,6 @@ def train_case(config, name: str, case: str, args) -> dict:
 
 def decode_case(config, name: str, args) -> list[dict]:
   import jax
-  import jax.numpy as jnp
   import numpy as np
   from jax.sharding import NamedSharding, PartitionSpec as P
 
