@@ -88,9 +88,16 @@ def collective_summary(hlo: str) -> dict[str, dict[str, float]]:
 
 
 def non_weight_gathers(hlo: str, weight_shapes: set[tuple[int, ...]]) -> list:
-  """All-gathers whose result is not the per-device shape of a parameter."""
+  """All-gathers with a result that is not a parameter's per-device block (its axes in
+  any order, unit axes dropped: XLA gathers some weights in a transposed layout). The async form's tuple
+  holds the operand beside the result: each is checked."""
   return [s for kind, shapes in collectives(hlo) if kind == "all-gather"
-          for _, s in shapes if s not in weight_shapes]
+          for _, s in shapes if _block(s) not in weight_shapes]
+
+
+def _block(shape) -> tuple[int, ...]:
+  """A shape compared up to the order of its axes and its unit axes (XLA drops them)."""
+  return tuple(sorted(d for d in shape if d != 1))
 
 
 # ---- running one case (inside the launched processes) ---------------------------------------
@@ -146,22 +153,29 @@ def _memory_gib(compiled) -> float:
           + m.temp_size_in_bytes) / 2**30
 
 
-def _local_shapes(config, mesh, fsdp: bool) -> set:
+def weight_blocks(config, mesh_shape) -> set:
+  """Every parameter's per-device block (axes sorted) on a (data, model) mesh of that
+  shape, with and without fsdp, and gathered over either axis: the all-gathers that move
+  weights, not activations."""
+  import types
+
   import jax
   from jax.sharding import PartitionSpec as P
 
   from jaxgpu.models import gemma
-  from jaxgpu.models.gemma import sharding
 
+  sizes = dict(zip(("data", "model"), mesh_shape))
+  mesh = types.SimpleNamespace(axis_names=("data", "model"), shape=sizes)
   shapes = jax.tree.leaves(gemma.param_shapes(config), is_leaf=lambda s: isinstance(s, tuple))
   out = set()
-  for fs in (False, True) if fsdp else (False,):
-    specs = jax.tree.leaves(gemma.param_specs(config, mesh, fs),
+  for fsdp in (False, True):
+    specs = jax.tree.leaves(gemma.param_specs(config, mesh, fsdp),
                             is_leaf=lambda s: isinstance(s, P))
     for shape, spec in zip(shapes, specs):
       spec = tuple(spec) + (None,) * (len(shape) - len(tuple(spec)))
-      out.add(tuple(d // (sharding.axis_size(mesh, a) if a else 1)
-                    for d, a in zip(shape, spec)))
+      for keep in (None, "data", "model"):
+        out.add(_block([d // (sizes[a] if a and a != keep else 1)
+                        for d, a in zip(shape, spec)]))
   return out
 
 
@@ -208,7 +222,7 @@ def train_case(config, name: str, case: str, args) -> dict:
     times.append(time.perf_counter() - t0)
   timed = times[2:] if len(times) > 3 else times
   step_s = statistics.median(timed)
-  weights = _local_shapes(config, mesh, fsdp) if mesh is not None else set()
+  weights = weight_blocks(config, mesh.devices.shape) if mesh is not None else set()
   return {"kind": "train", "model": name, "case": case, "gpus": n,
           "mesh": list(mesh.devices.shape) if mesh is not None else [1, 1], "fsdp": fsdp,
           "batch": b, "seq": t, "steps": args.steps, "losses": losses,
@@ -262,7 +276,7 @@ def decode_case(config, name: str, args) -> list[dict]:
                 "collectives": collective_summary(loop.as_text()),
                 "cache_spec": str(cshard.pages[0]["k"].spec) if cshard is not None else "",
                 "non_weight_gathers": [list(s) for s in non_weight_gathers(
-                    loop.as_text(), _local_shapes(config, mesh, False) if mesh else set())]})
+                    loop.as_text(), weight_blocks(config, (1, n)))]})
   return out
 
 
@@ -308,6 +322,8 @@ def summarize(args) -> int:
   from benchlib import record, results
   from benchlib.device import device_slug
 
+  from jaxgpu.models import gemma
+
   args.results_dir = args.results_dir or results.RESULTS_DIR
   lines = [json.loads(x) for x in Path(args.file).read_text().splitlines() if x.strip()]
   by = collections.defaultdict(list)
@@ -333,8 +349,11 @@ def summarize(args) -> int:
     coll = ", ".join(f"{k} {v['count']}x {v['mbytes']:.0f} MB" for k, v in
                      sorted(r["collectives"].items()))
     notes.append("collectives: " + (coll or "none"))
-    if r["non_weight_gathers"]:
-      notes.append(f"activation all-gathers {r['non_weight_gathers']}")
+    config = getattr(gemma.Config, model)() if not args.tiny else None
+    blocks = weight_blocks(config, r["mesh"]) if config else set()
+    others = [s for s in r["non_weight_gathers"] if _block(s) not in blocks]
+    if others:
+      notes.append(f"all-gathers of non-weights {others}")
     shape = [r["batch"], r.get("seq") or r.get("context")]
     mesh = "x".join(map(str, r["mesh"]))
     label = case if kind == "train" else f"decode ctx{r['context']}"
@@ -381,6 +400,7 @@ def main(argv=None) -> int:
   s = sub.add_parser("summarize", help="results files from run's JSON lines")
   s.add_argument("file")
   s.add_argument("--commit", default="")
+  s.add_argument("--tiny", action="store_true", help="run's lines came from --tiny")
   s.add_argument("--results-dir", type=Path, default=None,
                  help="where <gpu>-x<n>.json goes (default benchmarks/results; RESULTS.md "
                       "beside it, or in it for another folder)")
