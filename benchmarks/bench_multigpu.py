@@ -89,8 +89,8 @@ def collective_summary(hlo: str) -> dict[str, dict[str, float]]:
 
 def non_weight_gathers(hlo: str, weight_shapes: set[tuple[int, ...]]) -> list:
   """All-gathers with a result that is not a parameter's per-device block (its axes in
-  any order, unit axes dropped: XLA gathers some weights in a transposed layout). The async form's tuple
-  holds the operand beside the result: each is checked."""
+  any order, unit axes dropped: XLA gathers some weights in a transposed layout). The
+  async form's tuple holds the operand beside the result: each is checked."""
   return [s for kind, shapes in collectives(hlo) if kind == "all-gather"
           for _, s in shapes if _block(s) not in weight_shapes]
 
