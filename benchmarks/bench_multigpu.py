@@ -372,7 +372,8 @@ def summarize(args) -> int:
              "commit": lines[-1].get("commit") or args.commit, "jax": lines[0]["jax"],
              "jaxlib": lines[0]["jax"], "device_kind": kind, "device_count": gpus,
              "records": [x.to_json() for x in recs if x.family == fam],
-             "command": "benchmarks/bench_multigpu.py (its docstring)"}
+             "command": "`bash tools/run_multigpu.sh`, then `python3 benchmarks/"
+                        "bench_multigpu.py summarize multigpu.jsonl`"}
     results.merge_family(args.results_dir / f"{slug}.json", slug, fam, entry)
   md = results.write_results_md(args.results_dir, args.results_dir.parent / "RESULTS.md"
                                 if args.results_dir == results.RESULTS_DIR

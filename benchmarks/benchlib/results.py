@@ -76,13 +76,17 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
       lines.append(f"### {family}")
       lines.append("")
       ceil = e.get("ceiling_gbs")
-      lines.append(
-          f"{e.get('date', '?')}, commit `{e.get('commit') or 'unknown'}`, "
-          f"jax {e.get('jax')} / jaxlib {e.get('jaxlib')}"
-          + (" -- **quick shapes, not representative**" if e.get("quick") else "") + ".  "
-          + f"Ceiling {_md_num(ceil, '.0f') or '?'} GB/s ({e.get('ceiling_source', '?')}); "
-          + f"copy measured in this run {_md_num(e.get('copy_gbs'), '.0f') or '?'} GB/s; "
-          + f"dispatch floor {_md_num(e.get('dispatch_floor_us'), '.1f') or '?'} us.")
+      head = (f"{e.get('date', '?')}, commit `{e.get('commit') or 'unknown'}`, "
+              f"jax {e.get('jax')} / jaxlib {e.get('jaxlib')}"
+              + (" -- **quick shapes, not representative**" if e.get("quick") else "") + ".")
+      if "command" in e:   # a family without ceilings (several GPUs): how to reproduce it
+        head += f"  Command: {e['command']}."
+      else:
+        head += (f"  Ceiling {_md_num(ceil, '.0f') or '?'} GB/s "
+                 f"({e.get('ceiling_source', '?')}); copy measured in this run "
+                 f"{_md_num(e.get('copy_gbs'), '.0f') or '?'} GB/s; dispatch floor "
+                 f"{_md_num(e.get('dispatch_floor_us'), '.1f') or '?'} us.")
+      lines.append(head)
       lines.append("")
       recs = [Record.from_json(r) for r in e.get("records", [])]
       has_flops = any(r.tflops for r in recs)
