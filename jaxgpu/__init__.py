@@ -18,6 +18,7 @@ from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # no
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
 from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
+from jaxgpu.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from jaxgpu.ops.matmul import linear  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
 from jaxgpu.ops.rope import rope  # noqa: E402
@@ -38,6 +39,7 @@ __all__ = [
     "implementation",
     "layer_norm",
     "linear",
+    "linear_cross_entropy",
     "paged_attention",
     "paged_kv_update",
     "quantize_kv",

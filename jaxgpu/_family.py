@@ -22,8 +22,8 @@ from jaxgpu import _ffi
 
 # The op families, by module name under jaxgpu/ops (and folder under ffi/, tests/test_<name>.py,
 # benchmarks/bench_<name>.py). A new family adds its name here.
-FAMILY_NAMES = ("activation", "attention", "cross_entropy", "decode", "matmul", "norm", "rope",
-                "softmax")
+FAMILY_NAMES = ("activation", "attention", "cross_entropy", "decode", "linear_cross_entropy",
+                "matmul", "norm", "rope", "softmax")
 
 
 @dataclasses.dataclass(frozen=True)

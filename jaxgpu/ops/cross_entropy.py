@@ -144,10 +144,20 @@ def _check(op, logits, labels, ignore_index, label_smoothing, logit_softcap, red
   vocab = logits.shape[-1]
   if not 1 <= vocab < _MAX_VOCAB:
     raise ValueError(f"{op}: logits' last dim (the vocabulary) must be in [1, 2^30), got {vocab}")
+  labels, ignore_index, ls, softcap = check_loss_options(
+      op, labels, logits.shape[:-1], "the leading dims of logits", vocab, ignore_index,
+      label_smoothing, logit_softcap, reduction)
+  return logits, labels, ignore_index, ls, softcap
+
+
+def check_loss_options(op, labels, rows_shape, rows_what, vocab, ignore_index, label_smoothing,
+                       logit_softcap, reduction):
+  """The labels (as int32, of shape rows_shape) and the loss options of a cross-entropy over
+  `vocab` classes, checked (errors name the argument); shared with linear_cross_entropy."""
   labels = _checks.as_array(op, "labels", labels)
   if not jnp.issubdtype(labels.dtype, jnp.integer):
     raise TypeError(f"{op}: labels must have an integer dtype (int32), got {labels.dtype}")
-  _checks.shape_is(op, "labels", labels, logits.shape[:-1], "the leading dims of logits")
+  _checks.shape_is(op, "labels", labels, tuple(rows_shape), rows_what)
   if ignore_index is not None:
     if isinstance(ignore_index, jax.core.Tracer):
       raise TypeError(f"{op}: ignore_index must be a static Python int, not a traced value")
@@ -173,7 +183,7 @@ def _check(op, logits, labels, ignore_index, label_smoothing, logit_softcap, red
       # Clipped, not wrapped: a traced int64 label of 2^32 + 5 must stay out of range.
       labels = jnp.clip(labels, -2**31, 2**31 - 1)
     labels = labels.astype(jnp.int32)
-  return logits, labels, ignore_index, ls, softcap
+  return labels, ignore_index, ls, softcap
 
 
 def cross_entropy(logits, labels, *, ignore_index=None, label_smoothing=0.0, logit_softcap=None,

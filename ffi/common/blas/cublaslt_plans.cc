@@ -17,7 +17,7 @@ bool GemmKey::operator==(const GemmKey& o) const {
          epilogue == o.epilogue && has_bias == o.has_bias &&
          (!has_bias || bias_type == o.bias_type) && has_aux == o.has_aux &&
          (!has_aux || aux_type == o.aux_type) && workspace_bytes == o.workspace_bytes &&
-         alignment == o.alignment;
+         alignment == o.alignment && lda == o.lda && ldb == o.ldb && ldd == o.ldd;
 }
 
 namespace {
@@ -41,6 +41,9 @@ struct GemmKeyHash {
     mix((int64_t(key.has_bias) << 1) | int64_t(key.has_aux));
     mix(key.workspace_bytes);
     mix(key.alignment);
+    mix(key.lda);
+    mix(key.ldb);
+    mix(key.ldd);
     return h;
   }
 };
@@ -149,10 +152,15 @@ class Cache {
     }
     if (s != CUBLAS_STATUS_SUCCESS) return Status::Error(LtError("matmul attributes", s));
 
-    // Packed column-major layouts, as stored: A is m x k (k x m when transposed), etc.
-    auto layout = [&](cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols) {
+    // Column-major layouts, as stored: A is m x k (k x m when transposed), etc.; packed
+    // unless the key gives a leading dimension.
+    if (key.batch > 1 && (key.lda || key.ldb || key.ldd)) {
+      return Status::Error("cuBLASLt: leading dimensions with batch > 1 are not supported");
+    }
+    auto layout = [&](cublasLtMatrixLayout_t* l, cudaDataType_t t, int64_t rows, int64_t cols,
+                      int64_t ld) {
       if (s != CUBLAS_STATUS_SUCCESS) return;
-      s = cublasLtMatrixLayoutCreate(l, t, rows, cols, rows);
+      s = cublasLtMatrixLayoutCreate(l, t, rows, cols, ld ? ld : rows);
       if (s == CUBLAS_STATUS_SUCCESS && key.batch > 1) {
         const int32_t count = static_cast<int32_t>(key.batch);
         const int64_t stride = rows * cols;
@@ -164,10 +172,10 @@ class Cache {
         }
       }
     };
-    layout(&p->a, at, key.trans_a ? key.k : key.m, key.trans_a ? key.m : key.k);
-    layout(&p->b, bt, key.trans_b ? key.n : key.k, key.trans_b ? key.k : key.n);
-    layout(&p->c, ct, key.m, key.n);
-    layout(&p->d, dt, key.m, key.n);
+    layout(&p->a, at, key.trans_a ? key.k : key.m, key.trans_a ? key.m : key.k, key.lda);
+    layout(&p->b, bt, key.trans_b ? key.n : key.k, key.trans_b ? key.k : key.n, key.ldb);
+    layout(&p->c, ct, key.m, key.n, key.ldd);
+    layout(&p->d, dt, key.m, key.n, key.ldd);
     if (s != CUBLAS_STATUS_SUCCESS) return Status::Error(LtError("matrix layouts", s));
 
     cublasLtMatmulPreference_t pref = nullptr;

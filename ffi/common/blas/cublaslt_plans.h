@@ -6,7 +6,8 @@
 //
 // The GEMM is cuBLASLt's, column-major: D = epilogue(alpha * op(A) op(B) + beta * C), with
 // op(A) m x k, op(B) k x n, C and D m x n, each matrix packed (leading dimension = its rows
-// as stored) and `batch` of them at packed strides. A row-major product Y = X W (what JAX
+// as stored) unless GemmKey's lda / ldb / ldd say otherwise, and `batch` of them at packed
+// strides. A row-major product Y = X W (what JAX
 // holds) is the column-major Y^T = W^T X^T: swap the operands and m / n.
 //
 // Thread safety: every function may be called from any thread, for any device. Handles and
@@ -57,6 +58,10 @@ struct GemmKey {
   DType aux_type = DType::kBF16;
   int64_t workspace_bytes = 0;  // the workspace every call of this plan passes
   int alignment = 256;          // bytes every operand pointer is aligned to (power of 2)
+  // Leading dimensions (elements between columns as stored) of A, B and of C and D; 0 for
+  // packed. A column block of a wider matrix (a vocabulary chunk of a (D, V) weight) is
+  // that matrix's leading dimension over the block's first column. Not with batch > 1.
+  int64_t lda = 0, ldb = 0, ldd = 0;
 
   bool operator==(const GemmKey& o) const;
 };

@@ -166,13 +166,12 @@ def forward(params, config: Config, tokens, *, positions=None, segment_ids=None,
 
 def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
          segment_ids=None, implementation=None, mesh=None, remat: bool = False):
-  """Mean next-token cross-entropy, through jaxgpu.cross_entropy.
+  """Mean next-token cross-entropy, through jaxgpu.linear_cross_entropy.
 
-  The logits stay in the parameters' dtype (float32 accumulation, one rounding), with no
-  float32 copy: the final softcap (Gemma 2) is applied inside the cross-entropy op
-  (logit_softcap=), which reads the logits once per pass and writes their gradient in
-  their own dtype. The (B, T, V) logits array itself remains (a fused linear +
-  cross-entropy would remove it).
+  The output projection (the tied embedding) and the cross-entropy are one op: the
+  (B, T, V) logits are never held (they are formed chunk by chunk of the vocabulary, in
+  the parameters' dtype with float32 accumulation, and recomputed in the backward pass),
+  and the final softcap (Gemma 2) is applied inside it (logit_softcap=).
 
   Args:
     tokens: (B, T) int32 inputs; targets: (B, T) int32 labels (usually tokens shifted by
@@ -190,8 +189,6 @@ def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
   attend_for = lambda i: self_attend(config, i, implementation, mesh, segment_ids)
   y, _ = trunk(params, config, tokens, positions, attend_for, implementation=implementation,
                mesh=mesh, remat=remat)
-  logits = jnp.einsum("btd,vd->btv", y, sharding.gather_embed(params["embed"], config, mesh))
-  logits = sharding.constrain(logits, mesh, sharding.batch_axis(mesh), None, None)
   if segment_ids is not None:
     real = segment_ids != 0
     mask = real if mask is None else mask.astype(bool) & real
@@ -199,6 +196,8 @@ def loss(params, config: Config, tokens, targets, *, mask=None, positions=None,
   if mask is not None:
     targets = jnp.where(mask.astype(bool), targets, IGNORE_INDEX)
     ignore = IGNORE_INDEX
-  return jaxgpu.cross_entropy(logits, targets, ignore_index=ignore,
-                              logit_softcap=config.final_logit_softcap, reduction="mean",
-                              implementation=implementation)
+  # The tied embedding (V, D) as stored is the output projection: w_layout="vd".
+  table = sharding.gather_embed(params["embed"], config, mesh)
+  return jaxgpu.linear_cross_entropy(y, table, targets, w_layout="vd", ignore_index=ignore,
+                                     logit_softcap=config.final_logit_softcap, reduction="mean",
+                                     implementation=implementation)
