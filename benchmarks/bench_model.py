@@ -11,6 +11,9 @@ cuDNN cannot (Gemma 2's softcap), XLA fusion for the rest). bf16 parameters and
 activations, float32 AdamW moments.
 
 Parts:
+  train_max  each implementation at the largest batch (powers of two) its training step
+           fits at sequence 4096: the batch, tokens/s (vs anchor: tokens/s over 'xla''s at
+           its own largest batch) and memory.
   train    one training step (forward + backward + AdamW, jitted, parameters and moments
            donated) at sequence 4096, the batch given per model (the largest that fits
            both implementations on an 80 GB H100): step time, tokens/s, MFU, peak memory.
@@ -342,6 +345,81 @@ def train(bench, name: str) -> None:
   _anchor_ratios(recs)
 
 
+def _largest_fitting_batch(bench, name, config, t, impl, start: int, doublings: int):
+  """The largest batch (start halved or doubled, at most `doublings` times up) whose
+  compiled step fits 95% of the device: (batch, (compiled, GiB, compile s)) or None."""
+  limit = _device_limit_gib()
+  fits = lambda c: not limit or c[1] <= 0.95 * limit
+  b, best = start, None
+  while True:
+    try:
+      compiled = _compile_train(config, b, t, impl.arg)
+    except Exception as e:
+      bench._fail(f"train_max {name} B{b} {impl.name} (compile)", e)
+      return None
+    if fits(compiled):
+      best = (b, compiled)
+      if doublings == 0:
+        return best
+      doublings -= 1
+      b *= 2
+    elif best is not None or b == 1:
+      return best
+    else:
+      b //= 2
+
+
+def train_max(bench, name: str) -> None:
+  """Each implementation at the largest batch its training step fits (sequence 4096): the
+  memory a model's parts keep sets the batch, and the batch the throughput. vs anchor is
+  tokens/s over 'xla''s at its own largest batch."""
+  import jax
+
+  config = _config(name, bench.quick)
+  t = 64 if bench.quick else TRAIN_SEQ
+  start = 1 if bench.quick else (bench.args.train_batch or TRAIN_BATCH[name])
+  recs, tok = [], {}
+  for impl in _impls(bench):
+    found = _largest_fitting_batch(bench, name, config, t, impl, start,
+                                   1 if bench.quick else 3)
+    if found is None:
+      continue
+    b, (step_fn, mem, compile_s) = found
+    try:
+      state = list(_train_inputs(config, b, t, abstract=False))
+
+      def step():
+        state[0], state[1], m = step_fn(*state)
+        return m
+
+      jax.block_until_ready(step())
+      calls = 1 if bench.quick else 3
+
+      def run():
+        for _ in range(calls):
+          m = step()
+        jax.block_until_ready(m)
+
+      median, lo, hi = _median(run, bench.config.repeats)
+    except Exception as e:
+      bench._fail(f"train_max {name} {impl.name}", e)
+      continue
+    finally:
+      state = None
+    times = (median / calls, lo / calls, hi / calls)
+    tok[impl.name] = b * t / times[0]
+    notes = (f"largest batch that fits: B{b}; {tok[impl.name]:,.0f} tokens/s, memory "
+             f"{mem:.1f} GiB")
+    print(f"  train_max {name:<10} {impl.name:<5} B{b} {times[0] * 1e3:9.1f} ms  {notes}",
+          flush=True)
+    recs.append(_record(bench, op=f"train {name}", case=f"largest batch T{t}",
+                        pass_="train", shape=(b, t), impl=impl.name, times=times, calls=calls,
+                        flops=3 * forward_flops(config, b, t), notes=notes))
+  for r in recs:
+    if ANCHOR in tok:
+      r.vs_anchor = tok[r.implementation] / tok[ANCHOR]
+
+
 def prefill(bench, name: str) -> None:
   import jax
   import jax.numpy as jnp
@@ -445,7 +523,7 @@ def decode(bench, name: str) -> None:
       _anchor_ratios(recs)
 
 
-PARTS = {"train": train, "prefill": prefill, "decode": decode}
+PARTS = {"train": train, "train_max": train_max, "prefill": prefill, "decode": decode}
 
 
 def _stored_records_not_rerun(bench, family: str) -> list:
