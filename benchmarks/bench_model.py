@@ -50,6 +50,10 @@ import statistics
 import sys
 import time
 
+# The batch search compares a step's memory with the device's limit: without this, JAX's
+# default 75% preallocation sets the limit (59 of 80 GB) and both the search and XLA's own
+# step (its allocator retries under pressure) come out wrong.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # harness.py, also under `python -P`
 
 import harness  # noqa: E402
