@@ -284,8 +284,32 @@ def _compile_train(config, b, t, impl_arg):
   return compiled, _memory_gib(compiled), time.perf_counter() - t0
 
 
-def train(bench, name: str) -> None:
+def _time_train_steps(bench, config, b: int, t: int, step_fn):
+  """(per-step median, min, max, calls) of a compiled train step on fresh parameters and
+  moments (one implementation's on the device at a time; donated from step to step)."""
   import jax
+
+  state = list(_train_inputs(config, b, t, abstract=False))
+  try:
+    def step():
+      state[0], state[1], m = step_fn(*state)
+      return m
+
+    jax.block_until_ready(step())  # warm up
+    calls = 1 if bench.quick else 3
+
+    def run():
+      for _ in range(calls):
+        m = step()
+      jax.block_until_ready(m)
+
+    median, lo, hi = _median(run, bench.config.repeats)
+    return (median / calls, lo / calls, hi / calls), calls
+  finally:
+    state.clear()
+
+
+def train(bench, name: str) -> None:
 
   config = _config(name, bench.quick)
   t = 64 if bench.quick else TRAIN_SEQ
@@ -315,28 +339,10 @@ def train(bench, name: str) -> None:
       bench.skip(f"train {name} B{b} {impl.name}", f"needs {mem:.1f} GiB of {limit:.1f}")
       continue
     try:
-      # One implementation's parameters and moments on the device at a time.
-      state = list(_train_inputs(config, b, t, abstract=False))
-
-      def step():
-        state[0], state[1], m = step_fn(*state)
-        return m
-
-      jax.block_until_ready(step())  # warm up
-      calls = 1 if bench.quick else 3
-
-      def run():
-        for _ in range(calls):
-          m = step()
-        jax.block_until_ready(m)
-
-      median, lo, hi = _median(run, bench.config.repeats)
-      times = (median / calls, lo / calls, hi / calls)
+      times, calls = _time_train_steps(bench, config, b, t, step_fn)
     except Exception as e:  # one implementation failing must not cost the other its figure
       bench._fail(f"train {name} {impl.name}", e)
       continue
-    finally:
-      state = None
     tok_s = b * t / times[0]
     mfu = flops / times[0] / (H100_BF16_PEAK_TFLOPS * 1e12)
     notes = (f"{tok_s:,.0f} tokens/s, MFU {mfu:.1%}, memory {mem:.1f} GiB, "
@@ -377,7 +383,6 @@ def train_max(bench, name: str) -> None:
   """Each implementation at the largest batch its training step fits (sequence 4096): the
   memory a model's parts keep sets the batch, and the batch the throughput. vs anchor is
   tokens/s over 'xla''s at its own largest batch."""
-  import jax
 
   config = _config(name, bench.quick)
   t = 64 if bench.quick else TRAIN_SEQ
@@ -390,27 +395,10 @@ def train_max(bench, name: str) -> None:
       continue
     b, (step_fn, mem, compile_s) = found
     try:
-      state = list(_train_inputs(config, b, t, abstract=False))
-
-      def step():
-        state[0], state[1], m = step_fn(*state)
-        return m
-
-      jax.block_until_ready(step())
-      calls = 1 if bench.quick else 3
-
-      def run():
-        for _ in range(calls):
-          m = step()
-        jax.block_until_ready(m)
-
-      median, lo, hi = _median(run, bench.config.repeats)
+      times, calls = _time_train_steps(bench, config, b, t, step_fn)
     except Exception as e:
       bench._fail(f"train_max {name} {impl.name}", e)
       continue
-    finally:
-      state = None
-    times = (median / calls, lo / calls, hi / calls)
     tok[impl.name] = b * t / times[0]
     notes = (f"largest batch that fits: B{b}; {tok[impl.name]:,.0f} tokens/s, memory "
              f"{mem:.1f} GiB")

@@ -24,33 +24,34 @@
 
 namespace jaxgpu {
 
-#define JAXGPU_LCE_FWD_BINDING(BIND)                \
-  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */         \
-      .Arg<::xla::ffi::AnyBuffer>() /* w */         \
-      .Arg<::xla::ffi::AnyBuffer>() /* labels */    \
-      .Arg<::xla::ffi::AnyBuffer>() /* vocab_ids */ \
-      .Ret<::xla::ffi::AnyBuffer>() /* lse */       \
-      .Ret<::xla::ffi::AnyBuffer>() /* zlabel */    \
-      .Ret<::xla::ffi::AnyBuffer>() /* zsum */      \
-      .Ret<::xla::ffi::AnyBuffer>() /* scratch */   \
-      .Attr<float>("softcap")                       \
-      .Attr<int32_t>("w_layout")                    \
+// The four arguments both passes take first.
+#define JAXGPU_LCE_INPUTS(BIND)                  \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */      \
+      .Arg<::xla::ffi::AnyBuffer>() /* w */      \
+      .Arg<::xla::ffi::AnyBuffer>() /* labels */ \
+      .Arg<::xla::ffi::AnyBuffer>() /* vocab_ids */
+
+#define JAXGPU_LCE_FWD_BINDING(BIND)              \
+  JAXGPU_LCE_INPUTS(BIND)                         \
+      .Ret<::xla::ffi::AnyBuffer>() /* lse */     \
+      .Ret<::xla::ffi::AnyBuffer>() /* zlabel */  \
+      .Ret<::xla::ffi::AnyBuffer>() /* zsum */    \
+      .Ret<::xla::ffi::AnyBuffer>() /* scratch */ \
+      .Attr<float>("softcap")                     \
+      .Attr<int32_t>("w_layout")                  \
       .Attr<int64_t>("chunk")
 
-#define JAXGPU_LCE_BWD_BINDING(BIND)                \
-  BIND.Arg<::xla::ffi::AnyBuffer>() /* x */         \
-      .Arg<::xla::ffi::AnyBuffer>() /* w */         \
-      .Arg<::xla::ffi::AnyBuffer>() /* labels */    \
-      .Arg<::xla::ffi::AnyBuffer>() /* vocab_ids */ \
-      .Arg<::xla::ffi::AnyBuffer>() /* lse */       \
-      .Arg<::xla::ffi::AnyBuffer>() /* dloss */     \
-      .Ret<::xla::ffi::AnyBuffer>() /* dx */        \
-      .Ret<::xla::ffi::AnyBuffer>() /* dw */        \
-      .Ret<::xla::ffi::AnyBuffer>() /* scratch */   \
-      .Attr<float>("softcap")                       \
-      .Attr<float>("label_smoothing")               \
-      .Attr<int64_t>("vocab_total")                 \
-      .Attr<int32_t>("w_layout")                    \
+#define JAXGPU_LCE_BWD_BINDING(BIND)              \
+  JAXGPU_LCE_INPUTS(BIND)                         \
+      .Arg<::xla::ffi::AnyBuffer>() /* lse */     \
+      .Arg<::xla::ffi::AnyBuffer>() /* dloss */   \
+      .Ret<::xla::ffi::AnyBuffer>() /* dx */      \
+      .Ret<::xla::ffi::AnyBuffer>() /* dw */      \
+      .Ret<::xla::ffi::AnyBuffer>() /* scratch */ \
+      .Attr<float>("softcap")                     \
+      .Attr<float>("label_smoothing")             \
+      .Attr<int64_t>("vocab_total")               \
+      .Attr<int32_t>("w_layout")                  \
       .Attr<int64_t>("chunk")
 
 namespace lce_detail {
