@@ -48,6 +48,9 @@ def main() -> int:
                                         implementation=impl)),
       "cross_entropy": (lambda impl: jaxgpu.cross_entropy(
           x, jnp.arange(4, dtype=jnp.int32), implementation=impl)),
+      "linear_cross_entropy": (lambda impl: jaxgpu.linear_cross_entropy(
+          x, f32(37, 64), jnp.arange(4, dtype=jnp.int32) * 9, label_smoothing=0.1,
+          implementation=impl)),
       "dot_product_attention": (lambda impl: jaxgpu.dot_product_attention(
           q, k, v, is_causal=True, implementation=impl)),
       "paged_attention": (lambda impl: jaxgpu.paged_attention(
