@@ -102,10 +102,20 @@ def jnp_linear(arrays: dict, static: dict, dtype=None):
   return (_activate(z, static.get("activation")).astype(x.dtype),)
 
 
+# The largest |f''| of the smooth activations (gelu, both forms: 2 phi(0) = 0.80; silu: 0.5).
+_MAX_CURVATURE = 0.8
+
+
 def _atol(arrays, static, cots, outs):
-  """Extra rounding atol of y: cuBLASLt has no exact-gelu or silu epilogue, so those (and
-  the tanh gelu where N is not a multiple of 8) apply the activation to z rounded to the
-  dtype: half an ulp of |z| times the activation's slope (at most 1.13 for these)."""
+  """Extra rounding atols from the pre-activation z rounded to the dtype.
+
+  y: cuBLASLt has no exact-gelu or silu epilogue, so those (and the tanh gelu where N is
+  not a multiple of 8) apply the activation to the rounded z: half an ulp of |z| times the
+  activation's slope (at most 1.13 for these).
+  Gradients: the backward pass takes f'(z) at the z the forward pass kept in the dtype (as
+  cuBLASLt's GELU_AUX keeps it), so dz = dy f'(z) is off by |dy| max|f''| u |z|, which is
+  not relative to dz (f' crosses 0: gelu's at z = -0.75); dx, dw and dbias sum it through
+  the products."""
   x = oracle.as_f64(arrays["x"])
   if static.get("activation") is None or static.get("activation") == "relu" or x.size == 0:
     return {}, {}
@@ -116,7 +126,16 @@ def _atol(arrays, static, cots, outs):
   if arrays.get("bias") is not None:
     z = z + oracle.as_f64(arrays["bias"])
   dtype = jnp.asarray(arrays["x"]).dtype
-  return {"y": 1.13 * oracle.unit_roundoff(dtype) * float(np.max(np.abs(z), initial=0.0))}, {}
+  unit = oracle.unit_roundoff(dtype)
+  out = {"y": 1.13 * unit * float(np.max(np.abs(z), initial=0.0))}
+  if cots is None:
+    return out, {}
+  dz = np.abs(np.asarray(cots[0], np.float64)) * _MAX_CURVATURE * unit * np.abs(z)
+  rows_x, rows_dz = np.abs(x).reshape(-1, x.shape[-1]), dz.reshape(-1, dz.shape[-1])
+  grads = {"x": 2 * float(np.max(rows_dz @ np.abs(w).T, initial=0.0)),
+           "w": 2 * float(np.max(rows_x.T @ rows_dz, initial=0.0)),
+           "bias": 2 * float(np.max(rows_dz.sum(0), initial=0.0))}
+  return out, grads
 
 
 # ---- inputs ------------------------------------------------------------------------------------
