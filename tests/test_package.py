@@ -65,6 +65,14 @@ def test_declared_targets_are_in_the_ffi_sources():
       assert f'"{t}"' in header, (f.name, t)
 
 
+def test_wheel_smoke_runs_every_op():
+  """tools/wheel_smoke.py (CI's check of an installed wheel) calls every declared op: a new
+  op fails here, in the suite, rather than only in CI's wheel step."""
+  text = (Path(__file__).resolve().parents[1] / "tools" / "wheel_smoke.py").read_text()
+  missing = [op for op in _family.all_ops() if f'"{op}":' not in text]
+  assert not missing, f"tools/wheel_smoke.py does not call {missing}"
+
+
 def test_op_target_lookup():
   op = _family.all_ops()["rms_norm"][1]
   assert op.target("fwd", None) == "jaxgpu_rms_norm_fwd"
