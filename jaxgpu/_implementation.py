@@ -106,3 +106,11 @@ def resolve(implementation: str | None) -> str | None:
   if implementation != "xla":
     _ffi.registered_targets()
   return implementation
+
+
+def runs_on_cuda(implementation: str | None) -> bool:
+  """Whether a resolved implementation ('cpu', 'cuda', or None: the platform's kernel) runs
+  the CUDA handler: what a scratch or workspace result is sized for."""
+  if implementation is not None:
+    return implementation == "cuda"
+  return _ffi.has_cuda_backend()

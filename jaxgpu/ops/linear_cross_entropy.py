@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import (LSE, SUM, Layout, grouped_call, match_primal_types,
                                primal_types)
@@ -84,9 +84,7 @@ class _Config:
 
   @property
   def on_cuda(self) -> bool:
-    if self.implementation is not None:
-      return self.implementation == "cuda"
-    return _ffi.has_cuda_backend()
+    return _implementation.runs_on_cuda(self.implementation)
 
   def attrs(self, chunk: int) -> dict:
     return dict(softcap=np.float32(0.0 if self.softcap is None else self.softcap),
@@ -103,19 +101,22 @@ def _chunk(rows: int, vocab: int, dtype) -> int:
   return max(_CHUNK_MULTIPLE, min(cols, vocab))
 
 
-def _scratch(cfg: _Config, groups: int, rows: int, chunk: int, vocab: int, dtype, fwd: bool):
+def _scratch(cfg: _Config, groups: int, rows: int, chunk: int, dtype, fwd: bool):
+  """The CUDA handlers' scratch (their Carve): the logits chunk, the forward pass's row
+  sums, cuBLASLt's workspace; nothing on CPU."""
   if not cfg.on_cuda:
     return jax.ShapeDtypeStruct((0,), jnp.uint8)
   align = lambda n: -(-n // 256) * 256
-  logits = align(rows * min(chunk, max(vocab, 1)) * jnp.dtype(dtype).itemsize)
+  logits = align(rows * chunk * jnp.dtype(dtype).itemsize)
   sums = align(groups * rows * 4) if fwd else 0
   return jax.ShapeDtypeStruct((logits + sums + _CUBLASLT_WORKSPACE,), jnp.uint8)
 
 
 def _sizes(cfg: _Config, x, w):
+  """(rows per group, vocabulary columns per chunk) of a call on these local arrays."""
   rows = math.prod(x.shape[1:-1])
   vocab = w.shape[-2] if cfg.w_layout == "vd" else w.shape[-1]
-  return rows, vocab, _chunk(rows, vocab, x.dtype)
+  return rows, _chunk(rows, vocab, x.dtype)
 
 
 # ---- inner ops: FFI calls under the shared vmap / sharding rules ---------------------------
@@ -126,9 +127,9 @@ def _fwd_call(cfg: _Config, x, w, labels, vocab_ids):
   row (lse, zlabel, zsum) over the vocabulary out (combined across vocabulary shards)."""
 
   def local_fn(x, w, labels, vocab_ids):
-    rows, vocab, chunk = _sizes(cfg, x, w)
+    rows, chunk = _sizes(cfg, x, w)
     stat = jax.ShapeDtypeStruct(labels.shape, jnp.float32)
-    scratch = _scratch(cfg, x.shape[0], rows, chunk, vocab, x.dtype, fwd=True)
+    scratch = _scratch(cfg, x.shape[0], rows, chunk, x.dtype, fwd=True)
     outs = jax.ffi.ffi_call(cfg.target("fwd"), (stat, stat, stat, scratch))(
         x, w, labels, vocab_ids, **cfg.attrs(chunk))
     return tuple(outs[:3])
@@ -142,10 +143,10 @@ def _bwd_call(cfg: _Config, x, w, labels, vocab_ids, lse, dloss):
   """dx (G, ..., D) float32 and dw (G, V, D) or (G, D, V) in w's dtype."""
 
   def local_fn(x, w, labels, vocab_ids, lse, dloss):
-    rows, vocab, chunk = _sizes(cfg, x, w)
+    rows, chunk = _sizes(cfg, x, w)
     dx = jax.ShapeDtypeStruct(x.shape, jnp.float32)
     dw = jax.ShapeDtypeStruct(x.shape[:1] + w.shape[1:], w.dtype)
-    scratch = _scratch(cfg, x.shape[0], rows, chunk, vocab, x.dtype, fwd=False)
+    scratch = _scratch(cfg, x.shape[0], rows, chunk, x.dtype, fwd=False)
     outs = jax.ffi.ffi_call(cfg.target("bwd"), (dx, dw, scratch))(
         x, w, labels, vocab_ids, lse, dloss, label_smoothing=np.float32(cfg.label_smoothing),
         vocab_total=np.int64(cfg.vocab), **cfg.attrs(chunk))

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _checks, _implementation
 from jaxgpu._family import Family, Op
 from jax.sharding import PartitionSpec
 
@@ -102,9 +102,7 @@ class _Config:
 
   @property
   def on_cuda(self) -> bool:
-    if self.implementation is not None:
-      return self.implementation == "cuda"
-    return _ffi.has_cuda_backend()
+    return _implementation.runs_on_cuda(self.implementation)
 
 
 def _empty(dtype):
