@@ -19,15 +19,23 @@
 // at multiples of 64 keys, so a split's range is whole tiles (the first masked below the
 // window, the last at the row's length).
 //
-// 8-bit cache. The raw tile (half the bytes) lands in the ring; each warp widens its own
-// 16 keys to half in one more shared tile (int8 and e4m3 values are exact in half, and the
-// widening is one or two instructions a pair: WidenToHalf8), and the products run in half
-// whatever the query's type: a bf16 query is scaled by a power of two into half's range
-// (exact but for components under 2^-14 of its largest) and the logits scaled back. Half
-// keeps the probabilities to 11 bits where bf16 would keep 8. The per-token scales never
-// touch the values: a key's K scale multiplies its logit, and its V scale its probability
-// before P V (the softmax sums use the unscaled probability), one multiply per key and row
-// instead of one per value.
+// 8-bit cache. The raw tile (half the bytes) lands in the ring (16-byte chunks swizzled
+// within each key row, see SwizzleK / SwizzleV), and each thread widens its own fragments
+// in registers: int8 and e4m3 values are exact in half (one or two instructions a pair),
+// and the products run in half whatever the query's type (a bf16 query is scaled by a
+// power of two into half's range, exact but for components under 2^-14 of its largest, and
+// the logits scaled back; half keeps the probabilities to 11 bits where bf16 would keep 8).
+// To make each thread's fragment bytes contiguous, the mma's k index is permuted: a dot
+// product is invariant to the order of its terms, so for Q K^T thread quad c takes head
+// dims [c H/4, (c + 1) H/4) (the query's shared tile is stored in the same permuted order,
+// QColumn8), and for P V the keys of an S column and the head dims of an output column are
+// permuted (ColumnKey8, OutputColumn8) so that a thread reads one V word of 4 head dims from
+// each of 4 consecutive keys and transposes the bytes with byte_perm. Measured on the H100
+// (int8, 32/8, H 128, B 8, L 32k): widening into a second shared tile and reading it back
+// by ldmatrix ran at 1.53 TB/s, 8 warps an SM (shared memory), 47.7% of DRAM's peak.
+// The per-token scales never touch the values: a key's K scale multiplies its logit, and
+// its V scale its probability before P V (the softmax sums use the unscaled probability),
+// one multiply per key and row instead of one per value.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -50,8 +58,7 @@ namespace sm80 = ::jaxgpu::cuda::attention::sm80;
 
 constexpr int kThreads = 128;
 constexpr int kWarps = kThreads / 32;
-constexpr int kKeys = 64;   // keys per tile: 16 per warp
-constexpr int kStages = 3;  // tiles in flight: 2 x 35 KB per block at H 128
+constexpr int kKeys = 64;  // keys per tile: 16 per warp
 // Values per copied chunk: 16 bytes (8 of 16-bit, 16 of 8-bit; an 8-bit row whose H is
 // not a multiple of 16 copies each chunk as two 8-byte halves, its rows being 8-aligned).
 template <typename KV>
@@ -60,69 +67,110 @@ constexpr int kChunkValues = 16 / int(sizeof(KV));
 template <typename KV>
 constexpr bool kIs8Bit = sizeof(KV) == 1;
 
+// Tiles in flight: 3 (2 being copied while one is used); an 8-bit cache with 32 rows takes
+// 4, so that the merge's float states fit over the ring.
+template <typename KV, int kMT>
+constexpr int kStagesFor = kIs8Bit<KV> && kMT == 2 ? 4 : 3;
+
+// Blocks an SM: 2 (a 16-bit tile ring is 2 x 35 KB at H 128); an 8-bit ring at H <= 128 with
+// 16 rows is 48 KB, and 4 blocks keep 16 warps an SM to hide the widening's latency.
+template <typename KV, int kHD, int kMT>
+constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
+
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
-//   q       (16 kMT, kHD + 8) T          the query rows, padded rows (sm80::SmemTile)
+//   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
-//   tile16  {K, V} (kKeys, kHD + 8) T    8-bit caches only: the converted current tile
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
 //   scale   kStages x {K, V} x kKeys f32 8-bit caches only
-// After the loop the ring holds the warps' states for the merge.
+// After the loop the ring (and what follows it) holds the warps' states for the merge.
 template <typename T, typename KV, int kHD, int kMT>
 struct Layout {
+  static constexpr int kStages = kStagesFor<KV, kMT>;
   static constexpr int kRows = 16 * kMT;
   static constexpr int kStride = sm80::SmemTile<kHD>::kStride;
-  static constexpr int kTile16 = kKeys * kStride * 2;                   // bytes
-  static constexpr int kRawTile = kIs8Bit<KV> ? kKeys * kHD : kTile16;  // bytes
+  static constexpr int kRawTile = kIs8Bit<KV> ? kKeys * kHD : kKeys * kStride * 2;  // bytes
   static constexpr int kQ = 0;
   static constexpr int kRing = kQ + kRows * kStride * 2;
   static constexpr int kStageBytes = 2 * kRawTile;
-  static constexpr int kConverted = kRing + kStages * kStageBytes;
-  static constexpr int kOk = kConverted + (kIs8Bit<KV> ? 2 * kTile16 : 0);
+  static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + kStages * kKeys * 4;
   static constexpr int kBytes = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
-  // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, over the ring
-  // (and the converted tiles).
+  // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, from the ring on.
   static constexpr int kMergeBytes = kWarps * kRows * (kHD + 2) * 4;
-  static_assert(kMergeBytes <= kOk - kRing, "the merge fits in the tiles");
+  static_assert(kMergeBytes <= kBytes - kRing, "the merge fits over the tiles");
 };
 
-// 8 values of an 8-bit cache (8 bytes) as 8 halfs, exactly (int8 and e4m3 values all are
-// halfs): e4m3 pairs by one cvt each; int8 by the magic-number trick, each byte b (offset
-// to b + 128) placed under the half 0x64 exponent byte is 1024 + b + 128, then one
-// subtraction of 1152 per pair.
+// The 8-bit tiles' swizzles: the 16-byte chunk a row's chunk `chunk` is stored at, so that
+// the fragment reads below hit distinct banks. K: a quarter-warp's lanes read rows
+// ColumnKey8's 2j + {0, 1} at chunk c (H/64) + part for quads c = 0..3 (one chunk a lane,
+// 128-bit loads); V: rows 4c + i at chunk (H/128) g + part for g in a lane pair (H 64: 8
+// bytes of chunk g/2, a half-warp a wavefront: 2 ways remain).
+template <int kHD>
+__device__ __forceinline__ int SwizzleK(int row, int chunk) {
+  if constexpr (kHD == 64) return chunk;
+  if constexpr (kHD == 128) return chunk ^ (row & 1);
+  return chunk ^ ((row & 1) | (((chunk >> 3) & 1) << 1));
+}
+
+template <int kHD>
+__device__ __forceinline__ int SwizzleV(int row, int chunk) {
+  const int c = (row >> 2) & 3;
+  if constexpr (kHD == 64) return chunk ^ c;
+  if constexpr (kHD == 128) return chunk ^ (2 * c);
+  return chunk ^ ((c & 1) | ((c & 2) << 1));
+}
+
+// The query tile's column of head dim `hd` over an 8-bit cache: mma k step kk, index
+// 2c + e (e < 2) holds head dim c H/4 + 4 kk + e and 2c + 8 + e holds c H/4 + 4 kk + 2 + e,
+// so that a thread's K fragments are the contiguous bytes [c H/4, (c + 1) H/4) of a key.
+template <int kHD>
+__device__ __forceinline__ int QColumn8(int hd) {
+  const int c = hd / (kHD / 4), rest = hd % (kHD / 4);
+  const int kk = rest / 4, j = rest % 4;
+  return 16 * kk + 8 * (j >> 1) + 2 * c + (j & 1);
+}
+
+// The warp-local key (0..15) of S column `col` (0..7) of n-tile j over an 8-bit cache: keys
+// 4c .. 4c + 3 are then P V's k indices 2c, 2c + 1, 2c + 8, 2c + 9, the ones thread quad c
+// multiplies, so that its V fragment bytes come from 4 consecutive keys.
+__device__ __forceinline__ int ColumnKey8(int j, int col) {
+  return 4 * (col >> 1) + 2 * j + (col & 1);
+}
+
+// The head dim of output column `col` (0..7) of P V's n-tile nt over an 8-bit cache: lane
+// group g supplies head dims [g H/8, (g + 1) H/8), nt = 4 x (word of those) + byte.
+template <int kHD>
+__device__ __forceinline__ int OutputColumn8(int nt, int col) {
+  return (kHD / 8) * col + nt;
+}
+
+// Two consecutive 8-bit values of a word (bytes 2i, 2i + 1) as a half2, exactly (int8 and
+// e4m3 values all are halfs): e4m3 pairs by one cvt; int8 (flipped by ^ 0x80 beforehand, so
+// that byte b reads b + 128) by the magic-number trick, the byte placed under half's 0x64
+// exponent byte being 1024 + b + 128, then one subtraction of 1152.
 template <typename KV>
-__device__ __forceinline__ uint4 WidenToHalf8(uint2 raw) {
-  uint4 out;
-  uint32_t* words = reinterpret_cast<uint32_t*>(&out);
+__device__ __forceinline__ uint32_t WidenPair(uint32_t word, int i) {
   if constexpr (std::is_same_v<KV, int8_t>) {
-    const __half2 bias = __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480));
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const uint32_t x = (w == 0 ? raw.x : raw.y) ^ 0x80808080u;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const uint32_t magic = __byte_perm(x, 0x64u, i == 0 ? 0x4140 : 0x4342);
-        const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&magic), bias);
-        words[2 * w + i] = *reinterpret_cast<const uint32_t*>(&v);
-      }
-    }
+    const uint32_t magic = __byte_perm(word, 0x64u, i == 0 ? 0x4140 : 0x4342);
+    const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&magic),
+                              __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
+    return *reinterpret_cast<const uint32_t*>(&v);
   } else {
-#pragma unroll
-    for (int w = 0; w < 2; ++w) {
-      const uint32_t x = w == 0 ? raw.x : raw.y;
-#pragma unroll
-      for (int i = 0; i < 2; ++i) {
-        const __half2_raw h =
-            __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(x >> (16 * i)), __NV_E4M3);
-        words[2 * w + i] = *reinterpret_cast<const uint32_t*>(&h);
-      }
-    }
+    const __half2_raw h =
+        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * i)), __NV_E4M3);
+    return *reinterpret_cast<const uint32_t*>(&h);
   }
-  return out;
+}
+
+// What WidenPair expects of a raw word: int8 bytes flipped to b + 128.
+template <typename KV>
+__device__ __forceinline__ uint32_t Prepare8(uint32_t word) {
+  if constexpr (std::is_same_v<KV, int8_t>) return word ^ 0x80808080u;
+  return word;
 }
 
 template <typename T, typename KV, int kHD, int kMT>
-__global__ void __launch_bounds__(kThreads, 2)
+__global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles) {
   using L = Layout<T, KV, kHD, kMT>;
   // The products' type: the query's, or half over an 8-bit cache (see WidenToHalf8; the
@@ -131,6 +179,7 @@ __global__ void __launch_bounds__(kThreads, 2)
   using M = std::conditional_t<kIs8Bit<KV>, __half, T>;
   constexpr int kRows = L::kRows;
   constexpr int kStride = L::kStride;
+  constexpr int kStages = L::kStages;
   constexpr int kValues = kChunkValues<KV>;
   constexpr int kChunks = kHD / kValues;     // chunks per key row: 4 to 32
   constexpr int kStep = kThreads / kChunks;  // keys a pass of the block copies
@@ -206,8 +255,15 @@ __global__ void __launch_bounds__(kThreads, 2)
       const int64_t at = ok ? int64_t(page) * page_stride + int64_t(slot) * token_stride : 0;
       const bool copy = ok && chunk * kValues < H;
       const int64_t src = at + (copy ? chunk * kValues : 0);
-      const int dst = kIs8Bit<KV> ? key * kHD + chunk * 16 : (key * kStride + chunk * kValues) * 2;
-      const uint32_t kd = att::SmemAddress(k_dst + dst), vd = att::SmemAddress(v_dst + dst);
+      uint32_t kd, vd;
+      if constexpr (kIs8Bit<KV>) {
+        kd = att::SmemAddress(k_dst + key * kHD + SwizzleK<kHD>(key, chunk) * 16);
+        vd = att::SmemAddress(v_dst + key * kHD + SwizzleV<kHD>(key, chunk) * 16);
+      } else {
+        const int dst = (key * kStride + chunk * kValues) * 2;
+        kd = att::SmemAddress(k_dst + dst);
+        vd = att::SmemAddress(v_dst + dst);
+      }
       if (!halves) {
         const int bytes = copy ? 16 : 0;
         asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(k_pool + src),
@@ -284,18 +340,15 @@ __global__ void __launch_bounds__(kThreads, 2)
     for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
       int row, chunk;
       const T* src = query_chunk(i, &row, &chunk);
-      uint4 packed = make_uint4(0u, 0u, 0u, 0u);
-      if (src) {
-        const uint4 raw = *reinterpret_cast<const uint4*>(src);
-        const T* v = reinterpret_cast<const T*>(&raw);
-        uint32_t* words = reinterpret_cast<uint32_t*>(&packed);
+      uint4 raw = make_uint4(0u, 0u, 0u, 0u);
+      if (src) raw = *reinterpret_cast<const uint4*>(src);
+      const T* v = reinterpret_cast<const T*>(&raw);
+      // Pairs of head dims stay adjacent in QColumn8's order: 4 word stores.
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          words[e] =
-              att::PackPair<__half>(ToFloat(v[2 * e]) * q_mul, ToFloat(v[2 * e + 1]) * q_mul);
-        }
+      for (int e = 0; e < 4; ++e) {
+        *reinterpret_cast<uint32_t*>(s_q + row * kStride + QColumn8<kHD>(chunk * 8 + 2 * e)) =
+            att::PackPair<__half>(ToFloat(v[2 * e]) * q_mul, ToFloat(v[2 * e + 1]) * q_mul);
       }
-      *reinterpret_cast<uint4*>(s_q + row * kStride + chunk * 8) = packed;
     }
   } else {
     for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
@@ -347,60 +400,73 @@ __global__ void __launch_bounds__(kThreads, 2)
     asm volatile("cp.async.commit_group;\n" ::: "memory");
 
     const int key0 = warp * 16;  // this warp's keys of the tile
-    const M* k_tile;
-    const M* v_tile;
-    if constexpr (kIs8Bit<KV>) {
-      // Each warp widens its own 16 keys (no block barrier): rows key0.. of the half tiles.
-      M* k16 = reinterpret_cast<M*>(smem + L::kConverted);
-      M* v16 = k16 + kKeys * kStride;
-      const unsigned char* k_raw = ring_k(stage);
-      const unsigned char* v_raw = ring_v(stage);
-#pragma unroll
-      for (int i = lane; i < 16 * kChunks; i += 32) {
-        const int key = key0 + i / kChunks, chunk = i % kChunks;
-        const int from = key * kHD + chunk * 16, to = key * kStride + chunk * 16;
-        const uint4 kr = *reinterpret_cast<const uint4*>(k_raw + from);
-        const uint4 vr = *reinterpret_cast<const uint4*>(v_raw + from);
-        *reinterpret_cast<uint4*>(k16 + to) = WidenToHalf8<KV>(make_uint2(kr.x, kr.y));
-        *reinterpret_cast<uint4*>(k16 + to + 8) = WidenToHalf8<KV>(make_uint2(kr.z, kr.w));
-        *reinterpret_cast<uint4*>(v16 + to) = WidenToHalf8<KV>(make_uint2(vr.x, vr.y));
-        *reinterpret_cast<uint4*>(v16 + to + 8) = WidenToHalf8<KV>(make_uint2(vr.z, vr.w));
-      }
-      __syncwarp();
-      k_tile = k16;
-      v_tile = v16;
-    } else {
-      k_tile = reinterpret_cast<const M*>(ring_k(stage));
-      v_tile = reinterpret_cast<const M*>(ring_v(stage));
-    }
+    const unsigned char* k_raw = ring_k(stage);
+    const unsigned char* v_raw = ring_v(stage);
 
     // Logits: (16 kMT) x 16 keys.
     float s[kMT][2][4];
     att::Zero(s);
+    if constexpr (kIs8Bit<KV>) {
+      // Key ColumnKey8(j, g)'s bytes [c H/4, (c + 1) H/4), a 16-byte chunk (4 k steps) at a
+      // time, widened in registers (QColumn8 ordered the query's columns to match).
+      constexpr int kParts = kHD / 64;  // chunks of a thread's quarter row
 #pragma unroll
-    for (int kk = 0; kk < kHD / 16; ++kk) {
-      uint32_t b[4];
-      sm80::LoadBNk<kHD>(b, k_tile, key0, kk * 16, lane);
+      for (int part = 0; part < kParts; ++part) {
+        uint4 raw[2];
 #pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        uint32_t a[4];
-        sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
-        sm80::MmaType<M>::Mma(s[mi][0], a, b[0], b[1]);
-        sm80::MmaType<M>::Mma(s[mi][1], a, b[2], b[3]);
+        for (int j = 0; j < 2; ++j) {
+          const int row = key0 + ColumnKey8(j, g);
+          raw[j] = *reinterpret_cast<const uint4*>(k_raw + row * kHD +
+                                                   SwizzleK<kHD>(row, t4 * kParts + part) * 16);
+        }
+#pragma unroll
+        for (int w = 0; w < 4; ++w) {
+          const int kk = part * 4 + w;
+          uint32_t b[2][2];
+#pragma unroll
+          for (int j = 0; j < 2; ++j) {
+            const uint32_t word = Prepare8<KV>(reinterpret_cast<const uint32_t*>(&raw[j])[w]);
+            b[j][0] = WidenPair<KV>(word, 0);
+            b[j][1] = WidenPair<KV>(word, 1);
+          }
+#pragma unroll
+          for (int mi = 0; mi < kMT; ++mi) {
+            uint32_t a[4];
+            sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
+            sm80::MmaType<M>::Mma(s[mi][0], a, b[0][0], b[0][1]);
+            sm80::MmaType<M>::Mma(s[mi][1], a, b[1][0], b[1][1]);
+          }
+        }
+      }
+    } else {
+      const M* k_tile = reinterpret_cast<const M*>(k_raw);
+#pragma unroll
+      for (int kk = 0; kk < kHD / 16; ++kk) {
+        uint32_t b[4];
+        sm80::LoadBNk<kHD>(b, k_tile, key0, kk * 16, lane);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) {
+          uint32_t a[4];
+          sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
+          sm80::MmaType<M>::Mma(s[mi][0], a, b[0], b[1]);
+          sm80::MmaType<M>::Mma(s[mi][1], a, b[2], b[3]);
+        }
       }
     }
 
     // Scale, softcap, mask; then the online softmax per row (a row's 16 keys sit in the
     // 4 lanes of a quad).
-    // This thread's 4 key columns (2t, 2t + 1, 8 + 2t, 9 + 2t of the warp's 16), read from
-    // shared memory once per tile, not once per row.
+    // This thread's 4 key columns (2t, 2t + 1 of each n-tile: the warp's keys 2t, 2t + 1,
+    // 8 + 2t, 9 + 2t, or ColumnKey8's over an 8-bit cache), read from shared memory once per
+    // tile, not once per row.
     const int32_t tile_key0 = begin + it * kKeys + key0;
     bool key_ok[4];
     float key_scale[4], value_scale[4];
     int32_t key_at[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int kl = (c >> 1) * 8 + 2 * t4 + (c & 1);
+      const int kl =
+          kIs8Bit<KV> ? ColumnKey8(c >> 1, 2 * t4 + (c & 1)) : (c >> 1) * 8 + 2 * t4 + (c & 1);
       key_ok[c] = s_ok[stage * kKeys + key0 + kl] != 0;
       key_at[c] = tile_key0 + kl;
       if constexpr (kIs8Bit<KV>) {
@@ -468,17 +534,61 @@ __global__ void __launch_bounds__(kThreads, 2)
       }
     }
 
-    // P V: the probabilities as 16-bit A fragments, V's fragments by transposed ldmatrix.
+    // P V: the probabilities as 16-bit A fragments; V's B fragments by transposed ldmatrix,
+    // or over an 8-bit cache from one word (4 head dims) of each of keys 4 t .. 4 t + 3,
+    // transposed by byte_perm (see ColumnKey8 and OutputColumn8).
     uint32_t pa[1][kMT][4];
     att::PackProbs<M, 16, kMT>(pa, probs);
+    if constexpr (kIs8Bit<KV>) {
+      // A thread's H/8 bytes of a key row: 16-byte parts (8 bytes at H 64).
+      constexpr int kPartBytes = kHD >= 128 ? 16 : 8;
+      constexpr int kParts = kHD / 8 / kPartBytes;
+      constexpr int kWords = kPartBytes / 4;
 #pragma unroll
-    for (int nn = 0; nn < kHD / 16; ++nn) {
-      uint32_t b[4];
-      sm80::LoadBKn<kHD>(b, v_tile, key0, nn * 16, lane);
+      for (int part = 0; part < kParts; ++part) {
+        uint32_t words[4][kWords];  // [key 4t + i][word]
 #pragma unroll
-      for (int mi = 0; mi < kMT; ++mi) {
-        sm80::MmaType<M>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
-        sm80::MmaType<M>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
+        for (int i = 0; i < 4; ++i) {
+          const int row = key0 + 4 * t4 + i;
+          const int byte = (kHD / 8) * g + part * kPartBytes;  // in the row, unswizzled
+          const unsigned char* at =
+              v_raw + row * kHD + SwizzleV<kHD>(row, byte / 16) * 16 + byte % 16;
+          if constexpr (kWords == 4) {
+            const uint4 v = *reinterpret_cast<const uint4*>(at);
+            words[i][0] = v.x, words[i][1] = v.y, words[i][2] = v.z, words[i][3] = v.w;
+          } else {
+            const uint2 v = *reinterpret_cast<const uint2*>(at);
+            words[i][0] = v.x, words[i][1] = v.y;
+          }
+        }
+#pragma unroll
+        for (int w = 0; w < kWords; ++w) {
+          // lo/hi: bytes 0, 1 / 2, 3 of the 4 keys' words, interleaved key by key.
+          const uint32_t w0 = Prepare8<KV>(words[0][w]), w1 = Prepare8<KV>(words[1][w]);
+          const uint32_t w2 = Prepare8<KV>(words[2][w]), w3 = Prepare8<KV>(words[3][w]);
+          const uint32_t k01[2] = {__byte_perm(w0, w1, 0x5140), __byte_perm(w0, w1, 0x7362)};
+          const uint32_t k23[2] = {__byte_perm(w2, w3, 0x5140), __byte_perm(w2, w3, 0x7362)};
+#pragma unroll
+          for (int byte = 0; byte < 4; ++byte) {
+            const int nt = 4 * (part * kWords + w) + byte;
+            const uint32_t b0 = WidenPair<KV>(k01[byte >> 1], byte & 1);
+            const uint32_t b1 = WidenPair<KV>(k23[byte >> 1], byte & 1);
+#pragma unroll
+            for (int mi = 0; mi < kMT; ++mi) sm80::MmaType<M>::Mma(acc[mi][nt], pa[0][mi], b0, b1);
+          }
+        }
+      }
+    } else {
+      const M* v_tile = reinterpret_cast<const M*>(v_raw);
+#pragma unroll
+      for (int nn = 0; nn < kHD / 16; ++nn) {
+        uint32_t b[4];
+        sm80::LoadBKn<kHD>(b, v_tile, key0, nn * 16, lane);
+#pragma unroll
+        for (int mi = 0; mi < kMT; ++mi) {
+          sm80::MmaType<M>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
+          sm80::MmaType<M>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
+        }
       }
     }
   }
@@ -505,8 +615,13 @@ __global__ void __launch_bounds__(kThreads, 2)
       float* o_row = s_o + (warp * kRows + row) * kHD;
 #pragma unroll
       for (int nt = 0; nt < kHD / 8; ++nt) {
-        *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
-            make_float2(acc[mi][nt][2 * h], acc[mi][nt][2 * h + 1]);
+        if constexpr (kIs8Bit<KV>) {
+          o_row[OutputColumn8<kHD>(nt, 2 * t4)] = acc[mi][nt][2 * h];
+          o_row[OutputColumn8<kHD>(nt, 2 * t4 + 1)] = acc[mi][nt][2 * h + 1];
+        } else {
+          *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
+              make_float2(acc[mi][nt][2 * h], acc[mi][nt][2 * h + 1]);
+        }
       }
     }
   }
@@ -570,6 +685,8 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
 // kMT = 2 (32 rows a block) when the rows need it and the accumulators fit (H <= 128:
 // 128 floats a thread); otherwise more blocks over the rows, which read the same K/V (the
 // row tiles of a split are adjacent block indices, so the second read mostly hits L2).
+// An 8-bit cache keeps kMT = 2 although it then runs 2 blocks an SM, not 4: measured on the
+// H100 (int8, 32/8, H 128, B 8, L 32k, Tq 8), two 16-row blocks took 478 us, one 32-row 382.
 template <typename T, typename KV>
 cudaError_t LaunchHeadDim(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
   const bool two = rows_per_kv > 16;
