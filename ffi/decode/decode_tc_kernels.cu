@@ -56,9 +56,9 @@ namespace {
 namespace att = ::jaxgpu::cuda::attention;
 namespace sm80 = ::jaxgpu::cuda::attention::sm80;
 
-constexpr int kThreads = 128;
-constexpr int kWarps = kThreads / 32;
-constexpr int kKeys = 64;  // keys per tile: 16 per warp
+constexpr int kThreads = 128;          // per head-dim slice (kSplitH slices a block)
+constexpr int kWarps = kThreads / 32;  // key groups: warp w % kWarps takes 16 keys a tile
+constexpr int kKeys = 64;              // keys per tile: 16 per key group
 // Values per copied chunk: 16 bytes (8 of 16-bit, 16 of 8-bit; an 8-bit row whose H is
 // not a multiple of 16 copies each chunk as two 8-byte halves, its rows being 8-aligned).
 template <typename KV>
@@ -77,13 +77,28 @@ constexpr int kStagesFor = kIs8Bit<KV> && kMT == 2 ? 4 : 3;
 template <typename KV, int kHD, int kMT>
 constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
 
+// Head-dim slices of a block: at H 256 each key group's work is split over 2 warps (head dims [0, 128) and [128, 256) of the products, the halves of the logits added
+// through shared memory). Its 64-key ring is 203 KB, one block an SM: with 4 warps the SM
+// ran one warp a scheduler, and measured on the H100 (32/8, B 8, L 32k, Tq 1) read 2.42
+// TB/s where H 128 (8 warps an SM) read 2.67; with the slices, 2.80. They also halve the
+// accumulators, so that 32 query rows fit one block (kMT = 2) and Tq = 8 reads the cache
+// once, not twice (1.25 -> 2.25 TB/s at Tq 8). An 8-bit cache at H 256 (a 96 KB ring) runs 2
+// such blocks an SM.
+template <int kHD>
+constexpr int kSplitHFor = kHD == 256 ? 2 : 1;
+
+template <typename KV, int kHD, int kMT, int kSplitH>
+constexpr int kBlocksFor =
+    kSplitH == 1 ? kMinBlocksFor<KV, kHD, kMT> : (kIs8Bit<KV> && kMT == 1 ? 2 : 1);
+
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
 //   scale   kStages x {K, V} x kKeys f32 8-bit caches only
+//   swap    (kWarps, 8 kMT, 32) f32      two head-dim slices only: a logit tile's halves
 // After the loop the ring (and what follows it) holds the warps' states for the merge.
-template <typename T, typename KV, int kHD, int kMT>
+template <typename T, typename KV, int kHD, int kMT, int kSplitH>
 struct Layout {
   static constexpr int kStages = kStagesFor<KV, kMT>;
   static constexpr int kRows = 16 * kMT;
@@ -94,40 +109,45 @@ struct Layout {
   static constexpr int kStageBytes = 2 * kRawTile;
   static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + kStages * kKeys * 4;
-  static constexpr int kBytes = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
+  static constexpr int kSwap = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
+  static constexpr int kBytes = kSwap + (kSplitH == 2 ? kWarps * 8 * kMT * 32 * 4 : 0);
   // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, from the ring on.
   static constexpr int kMergeBytes = kWarps * kRows * (kHD + 2) * 4;
   static_assert(kMergeBytes <= kBytes - kRing, "the merge fits over the tiles");
+  static_assert(kBytes <= 227 * 1024, "a block's shared memory fits an SM");
 };
 
 // The 8-bit tiles' swizzles: the 16-byte chunk a row's chunk `chunk` is stored at, so that
-// the fragment reads below hit distinct banks. K: a quarter-warp's lanes read rows
-// ColumnKey8's 2j + {0, 1} at chunk c (H/64) + part for quads c = 0..3 (one chunk a lane,
-// 128-bit loads); V: rows 4c + i at chunk (H/128) g + part for g in a lane pair (H 64: 8
-// bytes of chunk g/2, a half-warp a wavefront: 2 ways remain).
-template <int kHD>
+// the fragment reads below hit distinct banks (kS: the head dims of a warp's slice, whose
+// chunks the swizzle keeps within the slice). K: a quarter-warp's lanes read rows
+// ColumnKey8's 2j + {0, 1} at chunk c (kS/64) + part of the slice for quads c = 0..3 (one
+// chunk a lane, 128-bit loads); V: rows 4c + i at chunk (kS/128) g + part for g in a lane
+// pair (kS 64: 8 bytes of chunk g/2, a half-warp a wavefront: 2 ways remain).
+template <int kS>
 __device__ __forceinline__ int SwizzleK(int row, int chunk) {
-  if constexpr (kHD == 64) return chunk;
-  if constexpr (kHD == 128) return chunk ^ (row & 1);
+  if constexpr (kS == 64) return chunk;
+  if constexpr (kS == 128) return chunk ^ (row & 1);
   return chunk ^ ((row & 1) | (((chunk >> 3) & 1) << 1));
 }
 
-template <int kHD>
+template <int kS>
 __device__ __forceinline__ int SwizzleV(int row, int chunk) {
   const int c = (row >> 2) & 3;
-  if constexpr (kHD == 64) return chunk ^ c;
-  if constexpr (kHD == 128) return chunk ^ (2 * c);
+  if constexpr (kS == 64) return chunk ^ c;
+  if constexpr (kS == 128) return chunk ^ (2 * c);
   return chunk ^ ((c & 1) | ((c & 2) << 1));
 }
 
-// The query tile's column of head dim `hd` over an 8-bit cache: mma k step kk, index
-// 2c + e (e < 2) holds head dim c H/4 + 4 kk + e and 2c + 8 + e holds c H/4 + 4 kk + 2 + e,
-// so that a thread's K fragments are the contiguous bytes [c H/4, (c + 1) H/4) of a key.
-template <int kHD>
+// The query tile's column of head dim `hd` over an 8-bit cache, within its slice of kS head
+// dims: mma k step kk, index 2c + e (e < 2) holds the slice's head dim c kS/4 + 4 kk + e and
+// 2c + 8 + e holds c kS/4 + 4 kk + 2 + e, so that a thread's K fragments are the contiguous
+// bytes [c kS/4, (c + 1) kS/4) of the slice of a key.
+template <int kS>
 __device__ __forceinline__ int QColumn8(int hd) {
-  const int c = hd / (kHD / 4), rest = hd % (kHD / 4);
+  const int base = hd / kS * kS, local = hd % kS;
+  const int c = local / (kS / 4), rest = local % (kS / 4);
   const int kk = rest / 4, j = rest % 4;
-  return 16 * kk + 8 * (j >> 1) + 2 * c + (j & 1);
+  return base + 16 * kk + 8 * (j >> 1) + 2 * c + (j & 1);
 }
 
 // The warp-local key (0..15) of S column `col` (0..7) of n-tile j over an 8-bit cache: keys
@@ -137,11 +157,12 @@ __device__ __forceinline__ int ColumnKey8(int j, int col) {
   return 4 * (col >> 1) + 2 * j + (col & 1);
 }
 
-// The head dim of output column `col` (0..7) of P V's n-tile nt over an 8-bit cache: lane
-// group g supplies head dims [g H/8, (g + 1) H/8), nt = 4 x (word of those) + byte.
-template <int kHD>
+// The head dim (within the warp's slice of kS) of output column `col` (0..7) of P V's n-tile
+// nt over an 8-bit cache: lane group g supplies [g kS/8, (g + 1) kS/8), nt = 4 x (word of
+// those) + byte.
+template <int kS>
 __device__ __forceinline__ int OutputColumn8(int nt, int col) {
-  return (kHD / 8) * col + nt;
+  return (kS / 8) * col + nt;
 }
 
 // Two consecutive 8-bit values of a word (bytes 2i, 2i + 1) as a half2, exactly (int8 and
@@ -169,10 +190,12 @@ __device__ __forceinline__ uint32_t Prepare8(uint32_t word) {
   return word;
 }
 
-template <typename T, typename KV, int kHD, int kMT>
-__global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
+template <typename T, typename KV, int kHD, int kMT, int kSplitH>
+__global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, kSplitH>))
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles) {
-  using L = Layout<T, KV, kHD, kMT>;
+  using L = Layout<T, KV, kHD, kMT, kSplitH>;
+  constexpr int kBlockThreads = kThreads * kSplitH;
+  constexpr int kSlice = kHD / kSplitH;  // head dims of a warp's products
   // The products' type: the query's, or half over an 8-bit cache (see WidenToHalf8; the
   // query is scaled by a power of two into half's range, exactly but for components below
   // half's normal range, 2^-14 of the largest).
@@ -181,8 +204,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
   constexpr int kStride = L::kStride;
   constexpr int kStages = L::kStages;
   constexpr int kValues = kChunkValues<KV>;
-  constexpr int kChunks = kHD / kValues;     // chunks per key row: 4 to 32
-  constexpr int kStep = kThreads / kChunks;  // keys a pass of the block copies
+  constexpr int kChunks = kHD / kValues;          // chunks per key row: 4 to 32
+  constexpr int kStep = kBlockThreads / kChunks;  // keys a pass of the block copies
   const bool halves = kIs8Bit<KV> && p.head_dim % 16 != 0;
   extern __shared__ __align__(16) unsigned char smem[];
   M* s_q = reinterpret_cast<M*>(smem + L::kQ);
@@ -197,7 +220,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
   const int64_t rk = rest / p.num_splits;  // (group x B + row) x K + kv head
   const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
   const int64_t g_index = r / p.batch;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  // Key group `warp`, head-dim slice `slice` (head dims [slice kSlice, + kSlice)).
+  const int warp = threadIdx.x / 32 % kWarps, slice = threadIdx.x / 32 / kWarps;
+  const int lane = threadIdx.x % 32;
   const int64_t H = p.head_dim, K = p.kv_heads, N = p.heads, rep = N / K;
   const int32_t S = int32_t(p.page_size);
   const int64_t row0 = int64_t(tile) * kRows;
@@ -257,8 +282,8 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
       const int64_t src = at + (copy ? chunk * kValues : 0);
       uint32_t kd, vd;
       if constexpr (kIs8Bit<KV>) {
-        kd = att::SmemAddress(k_dst + key * kHD + SwizzleK<kHD>(key, chunk) * 16);
-        vd = att::SmemAddress(v_dst + key * kHD + SwizzleV<kHD>(key, chunk) * 16);
+        kd = att::SmemAddress(k_dst + key * kHD + SwizzleK<kSlice>(key, chunk) * 16);
+        vd = att::SmemAddress(v_dst + key * kHD + SwizzleV<kSlice>(key, chunk) * 16);
       } else {
         const int dst = (key * kStride + chunk * kValues) * 2;
         kd = att::SmemAddress(k_dst + dst);
@@ -321,7 +346,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     if (threadIdx.x == 0) s_qmax = 0u;
     __syncthreads();
     float most = 0.f;
-    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kBlockThreads) {
       int row, chunk;
       if (const T* src = query_chunk(i, &row, &chunk)) {
         const uint4 raw = *reinterpret_cast<const uint4*>(src);
@@ -337,7 +362,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     const int shift = qmax >= 16384.f ? ilogbf(qmax) - 14 : 0;
     const float q_mul = exp2f(float(-shift));
     q_unscale = exp2f(float(shift));
-    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kBlockThreads) {
       int row, chunk;
       const T* src = query_chunk(i, &row, &chunk);
       uint4 raw = make_uint4(0u, 0u, 0u, 0u);
@@ -346,12 +371,12 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
       // Pairs of head dims stay adjacent in QColumn8's order: 4 word stores.
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
-        *reinterpret_cast<uint32_t*>(s_q + row * kStride + QColumn8<kHD>(chunk * 8 + 2 * e)) =
+        *reinterpret_cast<uint32_t*>(s_q + row * kStride + QColumn8<kSlice>(chunk * 8 + 2 * e)) =
             att::PackPair<__half>(ToFloat(v[2 * e]) * q_mul, ToFloat(v[2 * e + 1]) * q_mul);
       }
     }
   } else {
-    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kThreads) {
+    for (int i = threadIdx.x; i < kRows * (kHD / 8); i += kBlockThreads) {
       int row, chunk;
       const T* src = query_chunk(i, &row, &chunk);
       asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(
@@ -384,7 +409,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
   const float dot_scale = (softcap ? p.scale / p.softcap : p.scale * kLog2e) * q_unscale;
   const float cap_log2 = p.softcap * kLog2e;
 
-  float m[kMT][2], l[kMT][2], acc[kMT][kHD / 8][4];
+  float m[kMT][2], l[kMT][2], acc[kMT][kSlice / 8][4];
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
     m[mi][0] = m[mi][1] = -INFINITY;
@@ -407,21 +432,23 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     float s[kMT][2][4];
     att::Zero(s);
     if constexpr (kIs8Bit<KV>) {
-      // Key ColumnKey8(j, g)'s bytes [c H/4, (c + 1) H/4), a 16-byte chunk (4 k steps) at a
-      // time, widened in registers (QColumn8 ordered the query's columns to match).
-      constexpr int kParts = kHD / 64;  // chunks of a thread's quarter row
+      // Key ColumnKey8(j, g)'s bytes [c kSlice/4, (c + 1) kSlice/4) of the warp's slice, a
+      // 16-byte chunk (4 k steps) at a time, widened in registers (QColumn8 ordered the
+      // query's columns to match).
+      constexpr int kParts = kSlice / 64;  // chunks of a thread's quarter of the slice
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
         uint4 raw[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
           const int row = key0 + ColumnKey8(j, g);
+          const int chunk = slice * (kSlice / 16) + t4 * kParts + part;
           raw[j] = *reinterpret_cast<const uint4*>(k_raw + row * kHD +
-                                                   SwizzleK<kHD>(row, t4 * kParts + part) * 16);
+                                                   SwizzleK<kSlice>(row, chunk) * 16);
         }
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
-          const int kk = part * 4 + w;
+          const int col = slice * kSlice + (part * 4 + w) * 16;
           uint32_t b[2][2];
 #pragma unroll
           for (int j = 0; j < 2; ++j) {
@@ -432,7 +459,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
 #pragma unroll
           for (int mi = 0; mi < kMT; ++mi) {
             uint32_t a[4];
-            sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
+            sm80::LoadA<kHD>(a, s_q, mi * 16, col, lane);
             sm80::MmaType<M>::Mma(s[mi][0], a, b[0][0], b[0][1]);
             sm80::MmaType<M>::Mma(s[mi][1], a, b[1][0], b[1][1]);
           }
@@ -441,16 +468,41 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     } else {
       const M* k_tile = reinterpret_cast<const M*>(k_raw);
 #pragma unroll
-      for (int kk = 0; kk < kHD / 16; ++kk) {
+      for (int kk = 0; kk < kSlice / 16; ++kk) {
+        const int col = slice * kSlice + kk * 16;
         uint32_t b[4];
-        sm80::LoadBNk<kHD>(b, k_tile, key0, kk * 16, lane);
+        sm80::LoadBNk<kHD>(b, k_tile, key0, col, lane);
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi) {
           uint32_t a[4];
-          sm80::LoadA<kHD>(a, s_q, mi * 16, kk * 16, lane);
+          sm80::LoadA<kHD>(a, s_q, mi * 16, col, lane);
           sm80::MmaType<M>::Mma(s[mi][0], a, b[0], b[1]);
           sm80::MmaType<M>::Mma(s[mi][1], a, b[2], b[3]);
         }
+      }
+    }
+    if constexpr (kSplitH == 2) {
+      // The two slices' partial logits: slice 1 hands its half over, slice 0 adds it and
+      // hands the sum back (a named barrier per key group's warp pair), so that both warps
+      // run the same softmax on the same values.
+      float* swap = reinterpret_cast<float*>(smem + L::kSwap) + warp * (8 * kMT * 32) + lane;
+      float* flat = &s[0][0][0];
+      if (slice == 1) {
+#pragma unroll
+        for (int e = 0; e < 8 * kMT; ++e) swap[e * 32] = flat[e];
+      }
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp) : "memory");
+      if (slice == 0) {
+#pragma unroll
+        for (int e = 0; e < 8 * kMT; ++e) {
+          flat[e] += swap[e * 32];
+          swap[e * 32] = flat[e];
+        }
+      }
+      asm volatile("bar.sync %0, 64;\n" ::"r"(1 + warp) : "memory");
+      if (slice == 1) {
+#pragma unroll
+        for (int e = 0; e < 8 * kMT; ++e) flat[e] = swap[e * 32];
       }
     }
 
@@ -525,7 +577,7 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
 #pragma unroll
       for (int mi = 0; mi < kMT; ++mi) {
 #pragma unroll
-        for (int nt = 0; nt < kHD / 8; ++nt) {
+        for (int nt = 0; nt < kSlice / 8; ++nt) {
           acc[mi][nt][0] *= corr[mi][0];
           acc[mi][nt][1] *= corr[mi][0];
           acc[mi][nt][2] *= corr[mi][1];
@@ -540,9 +592,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     uint32_t pa[1][kMT][4];
     att::PackProbs<M, 16, kMT>(pa, probs);
     if constexpr (kIs8Bit<KV>) {
-      // A thread's H/8 bytes of a key row: 16-byte parts (8 bytes at H 64).
-      constexpr int kPartBytes = kHD >= 128 ? 16 : 8;
-      constexpr int kParts = kHD / 8 / kPartBytes;
+      // A thread's kSlice/8 bytes of a key row: 16-byte parts (8 bytes at a slice of 64).
+      constexpr int kPartBytes = kSlice >= 128 ? 16 : 8;
+      constexpr int kParts = kSlice / 8 / kPartBytes;
       constexpr int kWords = kPartBytes / 4;
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
@@ -550,9 +602,10 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
           const int row = key0 + 4 * t4 + i;
-          const int byte = (kHD / 8) * g + part * kPartBytes;  // in the row, unswizzled
+          // The byte in the row, unswizzled.
+          const int byte = slice * kSlice + (kSlice / 8) * g + part * kPartBytes;
           const unsigned char* at =
-              v_raw + row * kHD + SwizzleV<kHD>(row, byte / 16) * 16 + byte % 16;
+              v_raw + row * kHD + SwizzleV<kSlice>(row, byte / 16) * 16 + byte % 16;
           if constexpr (kWords == 4) {
             const uint4 v = *reinterpret_cast<const uint4*>(at);
             words[i][0] = v.x, words[i][1] = v.y, words[i][2] = v.z, words[i][3] = v.w;
@@ -581,9 +634,9 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
     } else {
       const M* v_tile = reinterpret_cast<const M*>(v_raw);
 #pragma unroll
-      for (int nn = 0; nn < kHD / 16; ++nn) {
+      for (int nn = 0; nn < kSlice / 16; ++nn) {
         uint32_t b[4];
-        sm80::LoadBKn<kHD>(b, v_tile, key0, nn * 16, lane);
+        sm80::LoadBKn<kHD>(b, v_tile, key0, slice * kSlice + nn * 16, lane);
 #pragma unroll
         for (int mi = 0; mi < kMT; ++mi) {
           sm80::MmaType<M>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
@@ -608,16 +661,16 @@ __global__ void __launch_bounds__(kThreads, (kMinBlocksFor<KV, kHD, kMT>))
       sum += __shfl_xor_sync(0xffffffffu, sum, 1);
       sum += __shfl_xor_sync(0xffffffffu, sum, 2);
       const int row = mi * 16 + g + 8 * h;
-      if (t4 == 0) {
+      if (t4 == 0 && slice == 0) {
         s_m[warp * kRows + row] = m[mi][h];
         s_l[warp * kRows + row] = sum;
       }
-      float* o_row = s_o + (warp * kRows + row) * kHD;
+      float* o_row = s_o + (warp * kRows + row) * kHD + slice * kSlice;
 #pragma unroll
-      for (int nt = 0; nt < kHD / 8; ++nt) {
+      for (int nt = 0; nt < kSlice / 8; ++nt) {
         if constexpr (kIs8Bit<KV>) {
-          o_row[OutputColumn8<kHD>(nt, 2 * t4)] = acc[mi][nt][2 * h];
-          o_row[OutputColumn8<kHD>(nt, 2 * t4 + 1)] = acc[mi][nt][2 * h + 1];
+          o_row[OutputColumn8<kSlice>(nt, 2 * t4)] = acc[mi][nt][2 * h];
+          o_row[OutputColumn8<kSlice>(nt, 2 * t4 + 1)] = acc[mi][nt][2 * h + 1];
         } else {
           *reinterpret_cast<float2*>(o_row + nt * 8 + 2 * t4) =
               make_float2(acc[mi][nt][2 * h], acc[mi][nt][2 * h + 1]);
@@ -651,8 +704,10 @@ int ChooseSplits(int64_t base_blocks, int64_t slots, int max_splits, int64_t max
 
 template <typename T, typename KV, int kHD, int kMT>
 cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
-  using L = Layout<T, KV, kHD, kMT>;
-  auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT>;
+  constexpr int kSplitH = kSplitHFor<kHD>;
+  constexpr int kBlockThreads = kThreads * kSplitH;
+  using L = Layout<T, KV, kHD, kMT, kSplitH>;
+  auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT, kSplitH>;
   // Per process and instance: the device's SM count and this kernel's blocks an SM (one
   // GPU model per process is the common case; a wrong guess costs speed, not results).
   static const int64_t slots = [&] {
@@ -661,7 +716,7 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
             cudaSuccess ||
         cudaGetDevice(&device) != cudaSuccess ||
         cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kThreads, L::kBytes) !=
+        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&per_sm, kernel, kBlockThreads, L::kBytes) !=
             cudaSuccess) {
       return int64_t(0);
     }
@@ -678,12 +733,13 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
   }
   const int64_t blocks = rk_count * p->num_splits * row_tiles;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  kernel<<<unsigned(blocks), kThreads, L::kBytes, stream>>>(*p, rows_per_kv, int(row_tiles));
+  kernel<<<unsigned(blocks), kBlockThreads, L::kBytes, stream>>>(*p, rows_per_kv, int(row_tiles));
   return cudaGetLastError();
 }
 
-// kMT = 2 (32 rows a block) when the rows need it and the accumulators fit (H <= 128:
-// 128 floats a thread); otherwise more blocks over the rows, which read the same K/V (the
+// kMT = 2 (32 rows a block) when the rows need it and the accumulators fit (H <= 128, or
+// H 256 in two slices: 128 floats a thread); otherwise more blocks over the rows, which
+// read the same K/V (the
 // row tiles of a split are adjacent block indices, so the second read mostly hits L2).
 // An 8-bit cache keeps kMT = 2 although it then runs 2 blocks an SM, not 4: measured on the
 // H100 (int8, 32/8, H 128, B 8, L 32k, Tq 8), two 16-row blocks took 478 us, one 32-row 382.
@@ -698,7 +754,8 @@ cudaError_t LaunchHeadDim(PagedAttentionParams* p, int64_t rows_per_kv, cudaStre
     return two ? Launch<T, KV, 128, 2>(p, rows_per_kv, stream)
                : Launch<T, KV, 128, 1>(p, rows_per_kv, stream);
   }
-  return Launch<T, KV, 256, 1>(p, rows_per_kv, stream);
+  return two ? Launch<T, KV, 256, 2>(p, rows_per_kv, stream)
+             : Launch<T, KV, 256, 1>(p, rows_per_kv, stream);
 }
 
 }  // namespace
