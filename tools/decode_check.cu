@@ -33,58 +33,23 @@
 #include <string>
 #include <vector>
 
+#include "check_common.h"
 #include "decode/decode_cuda.h"
 #include "decode/decode_params.h"
 
 using jaxgpu::DType;
 using jaxgpu::PagedAttentionParams;
 
-#define CK(expr)                                                                           \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-
 namespace {
+
+using jaxgpu::check::HalfBits;
+using jaxgpu::check::HalfValue;
+using jaxgpu::check::Ulp;
 
 constexpr int kPageSize = 16;
 constexpr int kTargetBlocks = 4 * 132;  // jaxgpu/ops/decode.py's workspace bound
 constexpr int kMinSplitPages = 4;
 constexpr int kMaxSplits = 64;
-
-uint16_t HalfBits(DType t, float f) {
-  uint16_t u;
-  if (t == DType::kBF16) {
-    const __nv_bfloat16 b = __float2bfloat16_rn(f);
-    std::memcpy(&u, &b, 2);
-  } else {
-    const __half h = __float2half_rn(f);
-    std::memcpy(&u, &h, 2);
-  }
-  return u;
-}
-
-double HalfValue(DType t, uint16_t u) {
-  if (t == DType::kBF16) {
-    __nv_bfloat16 b;
-    std::memcpy(&b, &u, 2);
-    return double(__bfloat162float(b));
-  }
-  __half h;
-  std::memcpy(&h, &u, 2);
-  return double(__half2float(h));
-}
-
-double Ulp(DType t, double v) {
-  const int mant = t == DType::kBF16 ? 7 : 10;
-  const int emin = t == DType::kBF16 ? -126 : -14;
-  v = std::fabs(v);
-  int e = v > 0 ? int(std::floor(std::log2(v))) : emin;
-  return std::ldexp(1.0, std::max(e, emin) - mant);
-}
 
 // The split bound jaxgpu/ops/decode.py gives the kernel (its workspace's size).
 int NumSplits(int64_t rows, int64_t max_pages) {

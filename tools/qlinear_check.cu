@@ -27,6 +27,7 @@
 #include <string>
 #include <vector>
 
+#include "check_common.h"
 #include "matmul/qlinear_cuda.h"
 #include "matmul/qlinear_params.h"
 
@@ -34,50 +35,11 @@ using jaxgpu::DType;
 using jaxgpu::QActivation;
 using jaxgpu::QLinearParams;
 
-#define CK(expr)                                                                           \
-  do {                                                                                     \
-    cudaError_t e_ = (expr);                                                               \
-    if (e_ != cudaSuccess) {                                                               \
-      std::printf("CUDA error %s at %s:%d\n", cudaGetErrorString(e_), __FILE__, __LINE__); \
-      std::exit(1);                                                                        \
-    }                                                                                      \
-  } while (0)
-
 namespace {
 
-uint16_t ToBits(DType t, float f) {
-  if (t == DType::kBF16) {
-    __nv_bfloat16 b = __float2bfloat16_rn(f);
-    uint16_t u;
-    std::memcpy(&u, &b, 2);
-    return u;
-  }
-  __half h = __float2half_rn(f);
-  uint16_t u;
-  std::memcpy(&u, &h, 2);
-  return u;
-}
-
-double FromBits(DType t, uint16_t u) {
-  if (t == DType::kBF16) {
-    __nv_bfloat16 b;
-    std::memcpy(&b, &u, 2);
-    return double(__bfloat162float(b));
-  }
-  __half h;
-  std::memcpy(&h, &u, 2);
-  return double(__half2float(h));
-}
-
-// Spacing of T at |v|.
-double Ulp(DType t, double v) {
-  const int mant = t == DType::kBF16 ? 7 : 10;
-  const int emin = t == DType::kBF16 ? -126 : -14;
-  v = std::fabs(v);
-  int e = v > 0 ? int(std::floor(std::log2(v))) : emin;
-  if (e < emin) e = emin;
-  return std::ldexp(1.0, e - mant);
-}
+using jaxgpu::check::HalfBits;
+using jaxgpu::check::HalfValue;
+using jaxgpu::check::Ulp;
 
 double ActRef(QActivation a, double v) {
   switch (a) {
@@ -115,12 +77,12 @@ void RunCase(const Case& c, std::mt19937& rng, Totals& tot, bool verbose) {
 
   std::vector<uint16_t> x(G * M * K), scales(Gw * R * N), bias(c.bias_groups * N);
   std::vector<uint8_t> q(Gw * K * N), zeros(c.zeros ? Gw * R * N : 0);
-  for (auto& v : x) v = ToBits(c.dtype, ux(rng));
+  for (auto& v : x) v = HalfBits(c.dtype, ux(rng));
   const float sbase = c.bits == 4 ? 0.1f : 0.008f;
-  for (auto& v : scales) v = ToBits(c.dtype, sbase * us(rng));
+  for (auto& v : scales) v = HalfBits(c.dtype, sbase * us(rng));
   for (auto& v : q) v = uint8_t(uq(rng));
   for (auto& v : zeros) v = uint8_t(uq(rng));
-  for (auto& v : bias) v = ToBits(c.dtype, ux(rng));
+  for (auto& v : bias) v = HalfBits(c.dtype, ux(rng));
 
   std::vector<int32_t> packed(Gw * KT * NT * wpt, 0);
   for (int64_t gw = 0; gw < Gw; ++gw)
@@ -205,9 +167,9 @@ void RunCase(const Case& c, std::mt19937& rng, Totals& tot, bool verbose) {
       for (int64_t k = 0; k < K; ++k) {
         const int64_t r = k / c.group_size;
         const int z = c.zeros ? zeros[(gw * R + r) * N + n] : mid;
-        const double s = FromBits(c.dtype, scales[(gw * R + r) * N + n]);
+        const double s = HalfValue(c.dtype, scales[(gw * R + r) * N + n]);
         const double prod = double(int(q[(gw * K + k) * N + n]) - z) * s;  // exact
-        w[k] = FromBits(c.dtype, ToBits(c.dtype, float(prod)));            // exact to float
+        w[k] = HalfValue(c.dtype, HalfBits(c.dtype, float(prod)));         // exact to float
       }
       for (int64_t g = 0; g < G; ++g) {
         if (Gw > 1 && g != gw) continue;
@@ -215,17 +177,17 @@ void RunCase(const Case& c, std::mt19937& rng, Totals& tot, bool verbose) {
           double sum = 0, mag = 0;
           const uint16_t* xr = &x[(g * M + m) * K];
           for (int64_t k = 0; k < K; ++k) {
-            const double xv = FromBits(c.dtype, xr[k]);
+            const double xv = HalfValue(c.dtype, xr[k]);
             sum += xv * w[k];
             mag += std::fabs(xv * w[k]);
           }
           if (c.bias_groups > 0) {
             const int64_t bg = c.bias_groups == 1 ? 0 : g;
-            sum += FromBits(c.dtype, bias[bg * N + n]);
-            mag += std::fabs(FromBits(c.dtype, bias[bg * N + n]));
+            sum += HalfValue(c.dtype, bias[bg * N + n]);
+            mag += std::fabs(HalfValue(c.dtype, bias[bg * N + n]));
           }
           const double ref = ActRef(c.act, sum);
-          const double got = FromBits(c.dtype, y[(g * M + m) * N + n]);
+          const double got = HalfValue(c.dtype, y[(g * M + m) * N + n]);
           const double err = std::fabs(got - ref);
           const double tol = Ulp(c.dtype, ref) + 3e-5 * mag;
           const double ratio = std::isfinite(got) ? err / tol : 1e30;
