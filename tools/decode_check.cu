@@ -42,9 +42,7 @@ using jaxgpu::PagedAttentionParams;
 
 namespace {
 
-using jaxgpu::check::HalfBits;
-using jaxgpu::check::HalfValue;
-using jaxgpu::check::Ulp;
+using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
 constexpr int kPageSize = 16;
 constexpr int kTargetBlocks = 4 * 132;  // jaxgpu/ops/decode.py's workspace bound

@@ -37,9 +37,7 @@ using jaxgpu::QLinearParams;
 
 namespace {
 
-using jaxgpu::check::HalfBits;
-using jaxgpu::check::HalfValue;
-using jaxgpu::check::Ulp;
+using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
 double ActRef(QActivation a, double v) {
   switch (a) {
