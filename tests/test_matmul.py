@@ -108,6 +108,25 @@ def test_quantize_round_trip(bits, rng):
     assert np.array_equal(np.asarray(qw.dequantize()), np.asarray(want))
 
 
+@pytest.mark.parametrize("bits", (4, 8))
+def test_dequantize_kernel_equals_the_reference(bits, implementation, rng):
+  """The large-M route's dequantizing kernel, bitwise against QuantizedWeight.dequantize:
+  N past one run of 8 tiles and not a multiple of 8 or 16 (the scalar edges), K not a
+  multiple of 64, one group per column, symmetric and asymmetric."""
+  cases = [(111, 40, None, False), (256, 200, 64, False), (64, 17, 32, True),
+           (320, 136, 16, False), (128, 256, 128, True)]
+  for i, (k, n, gs, symmetric) in enumerate(cases):
+    dtype = DTYPES[(i + bits) % 3]
+    w = jnp.asarray(rng.standard_normal((k, n)), dtype)  # scales in dtype, as the route has them
+    qw = jaxgpu.quantize_weight(w, bits=bits, group_size=gs, symmetric=symmetric)
+    cfg = matmul_op._Config(implementation, None, False,
+                            quantized=(bits, qw.group_size, k, n))
+    got = jax.jit(lambda qw: matmul_op._dequantized(cfg, qw, dtype))(qw)
+    want = qw.dequantize(dtype)
+    assert got.dtype == want.dtype and got.shape == (k, n), (k, n)
+    assert np.array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32)), (k, n, gs)
+
+
 def test_quantized_gradients_skip_the_weight(rng):
   """QLoRA-style: grad flows to x and bias; the quantized weight's leaves get zero
   cotangents (float0 for its integers)."""

@@ -74,11 +74,12 @@ _CUBLASLT_WORKSPACE = 32 << 20
 # Split-K partial sums of the quantized kernel: at most 2^22 floats (16 MiB).
 _Q_WORKSPACE_FLOATS = 1 << 22
 # Rows of x from which a quantized linear dequantizes the weight and runs the dense GEMM.
-# Measured on the H100 (8192 x 28672 int4, docs/perf/matmul.md): the kernel takes 237 us at
-# M = 64 and 955 us at M = 256 (it grows about linearly past 64: mma.sync and a
-# re-dequantization per 64-row chunk), the dequantize + cuBLASLt route 941 us at M = 128 and
-# 990 us at 256 (the dequantization is ~750 us of it): they cross near 256.
-DENSE_FROM_ROWS = 256
+# Measured on the H100 (8192 x 28672, tools/qlinear_crossover.py, docs/perf/matmul.md): the
+# kernel takes 238 / 496 / 761 us at M = 64 / 128 / 192 (int4; it grows about linearly past
+# 64: mma.sync and a re-dequantization per 64-row chunk), the dequantize + cuBLASLt route
+# 688 / 693 / 705 us (the dequantizing copy is ~520 us of it); int8 alike (634 against 720
+# at 128, 998 against 737 at 192): they cross between 128 and 192.
+DENSE_FROM_ROWS = 192
 
 _X = "g ... k"       # (G, ...rows, K)
 _W = "[g] k n"       # (G or 1, K, N)
