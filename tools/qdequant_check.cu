@@ -1,10 +1,11 @@
 // Standalone check of the dequantizing copy kernel (ffi/matmul/qdequant_kernels.cu, the
-// large-M route of jaxgpu.linear with a QuantizedWeight), bitwise against a host
-// dequantization that follows qlinear_params.h (q - z exact, one rounding to T of the
-// product with the 16-bit scale), then its time on 8192 x 28672:
+// large-M route of jaxgpu.linear with a QuantizedWeight), bitwise against the CPU handler's
+// dequantization (jaxgpu::cpu::QDequant, the oracle of the CPU tests: q - z exact, one
+// rounding to T of the product with the 16-bit scale), then its time on 8192 x 28672:
 //
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/qd \
-//       tools/qdequant_check.cu ffi/matmul/qdequant_kernels.cu && /tmp/qd [--no-time]
+//       tools/qdequant_check.cu ffi/matmul/qdequant_kernels.cu ffi/matmul/matmul_cpu.cc \
+//       && /tmp/qd [--no-time]
 //
 // Cases: bf16 / f16 x int4 / int8, with and without zero points, group sizes 16 .. K, N not
 // a multiple of 8 or 16 and past one block's run of tiles, K not a multiple of 64, several
@@ -19,6 +20,7 @@
 #include <vector>
 
 #include "check_common.h"
+#include "matmul/matmul_cpu.h"
 #include "matmul/qlinear_cuda.h"
 #include "matmul/qlinear_params.h"
 
@@ -87,27 +89,19 @@ bool Check(const Case& c, std::mt19937& rng) {
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> got(c.groups * c.k * c.n);
   CK(cudaMemcpy(got.data(), d.w, got.size() * 2, cudaMemcpyDeviceToHost));
-  const int64_t kt = jaxgpu::QTilesK(c.k), nt = jaxgpu::QTilesN(c.n);
-  const int64_t rows = c.k / c.group_size, tile_words = jaxgpu::QWordsPerTile(c.bits);
+  std::vector<uint16_t> want(got.size());
+  QDequantParams host = d.p;
+  host.packed = packed.data();
+  host.scales = scales.data();
+  host.zeros = c.zeros ? zeros.data() : nullptr;
+  host.w = want.data();
+  jaxgpu::cpu::QDequant(host);
   int64_t bad = 0;
-  for (int64_t g = 0; g < c.groups; ++g) {
-    for (int64_t k = 0; k < c.k; ++k) {
-      for (int64_t n = 0; n < c.n; ++n) {
-        const auto at =
-            jaxgpu::QPackedAt(c.bits, int(n % jaxgpu::kQTileN), int(k % jaxgpu::kQTileK));
-        const int64_t tile = (g * kt + k / jaxgpu::kQTileK) * nt + n / jaxgpu::kQTileN;
-        const uint32_t word = uint32_t(packed[tile * tile_words + at.word]);
-        const int q = int((word >> at.shift) & ((1u << c.bits) - 1u));
-        const int64_t srow = (g * rows + k / c.group_size) * c.n + n;
-        const int z = c.zeros ? int(zeros[srow]) : (1 << (c.bits - 1));
-        const float want = float(q - z) * float(HalfValue(c.dtype, scales[srow]));
-        const uint16_t want_bits = HalfBits(c.dtype, want);
-        const uint16_t got_bits = got[(g * c.k + k) * c.n + n];
-        if (got_bits != want_bits && bad++ < 5) {
-          std::printf("  (g %lld, k %lld, n %lld): got 0x%04x, want 0x%04x\n", (long long)g,
-                      (long long)k, (long long)n, got_bits, want_bits);
-        }
-      }
+  for (size_t i = 0; i < got.size(); ++i) {
+    if (got[i] != want[i] && bad++ < 5) {
+      std::printf("  (g, k, n) = (%lld, %lld, %lld): got 0x%04x, want 0x%04x\n",
+                  (long long)(i / (c.k * c.n)), (long long)(i / c.n % c.k), (long long)(i % c.n),
+                  got[i], want[i]);
     }
   }
   std::printf("%s %s int%d G%lld K%lld N%lld group %lld %s: %lld wrong\n", bad ? "FAIL" : "ok  ",
@@ -137,6 +131,8 @@ void Time(int bits, int64_t k, int64_t n, std::mt19937& rng) {
   CK(cudaEventElapsedTime(&ms, a, b));
   const double us = 1e3 * ms / iters;
   const double bytes = double(packed.size()) * 4 + double(k) * n * 2;
+  CK(cudaEventDestroy(a));
+  CK(cudaEventDestroy(b));
   std::printf("time int%d %lldx%lld: %.1f us, %.0f GB/s read + written\n", bits, (long long)k,
               (long long)n, us, bytes / us * 1e-3);
 }
