@@ -12,6 +12,8 @@ import pkgutil
 # is the source tree, which holds no compiled modules: look for them in the installed copy.
 __path__ = pkgutil.extend_path(__path__, __name__)
 
+from jaxgpu import _ffi  # noqa: E402
+from jaxgpu._family import export_disabled_checks  # noqa: E402
 from jaxgpu._implementation import (  # noqa: E402
     IMPLEMENTATIONS, available_implementations, implementation)
 from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
@@ -28,12 +30,17 @@ from jaxgpu.reference.decode import quantize_kv  # noqa: E402
 
 __version__ = "0.1.0"
 
+# Every target of every module that loads, on every platform it was built for, now: a
+# program serialized with jax.export runs in a process that only imported jaxgpu.
+_ffi.register_all()
+
 __all__ = [
     "IMPLEMENTATIONS",
     "QuantizedWeight",
     "available_implementations",
     "cross_entropy",
     "dot_product_attention",
+    "export_disabled_checks",
     "geglu",
     "gelu",
     "implementation",

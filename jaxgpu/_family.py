@@ -92,3 +92,22 @@ def all_ops() -> dict[str, tuple[Family, Op]]:
 def all_targets() -> frozenset[str]:
   """Every FFI target name any family declares (without platform suffixes)."""
   return frozenset().union(*(f.targets for f in families()))
+
+
+def export_disabled_checks() -> list:
+  """The `jax.export.DisabledSafetyCheck`s that let jax.export serialize jaxgpu's custom
+  calls: one per target name, each platform's included (an explicit implementation='cpu'
+  lowers to `<target>_cpu`)::
+
+    exported = jax.export.export(jax.jit(f), platforms=("cpu", "cuda"),
+                                 disabled_checks=jaxgpu.export_disabled_checks())(*args)
+
+  jax.export refuses custom calls it does not know, because their behaviour is not part of
+  jax's own compatibility promise; jaxgpu's is in the README ("Serialized programs"). A
+  program deserialized in another process runs there once `import jaxgpu` has registered
+  the targets.
+  """
+  import jax.export  # noqa: PLC0415 (jax.export is not imported by `import jax` on 0.10)
+
+  names = sorted(n for base in all_targets() for n in _ffi.platform_target_names(base))
+  return [jax.export.DisabledSafetyCheck.custom_call(n) for n in names]

@@ -1,9 +1,15 @@
-"""Loads the compiled handler modules and registers every FFI target, once.
+"""Loads the compiled handler modules and registers every FFI target, once, at import.
 
 Two extension modules:
   _jaxgpu_cpu   always built; its handlers are registered for platform "cpu".
-  _jaxgpu_cuda  built when a CUDA compiler was found; imported only when JAX has a CUDA
-                backend, so a CPU-only install never needs libcudart at import.
+  _jaxgpu_cuda  built when a CUDA compiler was found; its handlers are registered for
+                platform "CUDA" whenever it loads, GPU or not (cudart is linked statically;
+                a module that fails to load, say for a missing cuBLAS, counts as not built).
+
+`import jaxgpu` registers every target (`register_all`), so that a serialized program
+(jax.export) that names jaxgpu targets runs in a process that only imported jaxgpu.
+Registering starts no backend: jax queues a platform's registrations until its plugin is
+initialized.
 
 Each handler is registered under two names: the plain target name ``jaxgpu_<op>_<pass>``,
 registered for both platforms so that one traced program runs wherever XLA places it
@@ -55,6 +61,10 @@ def cuda_compiled() -> bool:
   return has_cuda_backend() and cuda_module() is not None
 
 
+# The per-platform targets are named `<target>_<suffix>` (see target_name).
+PLATFORM_SUFFIXES = ("cpu", "cuda")
+
+
 def _register(kind: str) -> frozenset[str]:
   module = _module(kind)
   if module is None:
@@ -70,11 +80,28 @@ def _register(kind: str) -> frozenset[str]:
 
 @functools.cache
 def registered_targets() -> dict[str, frozenset[str]]:
-  """Registers every handler (once) and returns {implementation: target names}."""
+  """Registers every handler of every module that loads (once) and returns
+  {implementation: target names}; 'cuda' is there when the CUDA module loads."""
   targets = {"cpu": _register("cpu")}
-  if has_cuda_backend():
+  if cuda_module() is not None:
     targets["cuda"] = _register("cuda")
   return targets
+
+
+def register_all() -> None:
+  """What `import jaxgpu` runs. A handler the runtime rejects (built against a newer FFI
+  API than the installed jaxlib's) must not break the import of a package whose 'xla'
+  implementation still works: the error is raised again, by registered_targets, when a
+  kernel is first used (and `python -m jaxgpu info` reports it)."""
+  try:
+    registered_targets()
+  except Exception:  # noqa: BLE001 (re-raised on first use; see the docstring)
+    pass
+
+
+def platform_target_names(base: str) -> tuple[str, ...]:
+  """Every name `base` is registered under: the platform-generic one and each platform's."""
+  return (base,) + tuple(f"{base}_{suffix}" for suffix in PLATFORM_SUFFIXES)
 
 
 def target_name(base: str, implementation: str | None) -> str:

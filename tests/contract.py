@@ -23,9 +23,13 @@ as keywords. Results are tuples (an op returning one array gives a 1-tuple), nam
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import pathlib
 import re
+import subprocess
+import sys
 from typing import Any
 from collections.abc import Callable
 
@@ -37,6 +41,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 import jaxgpu
 from jaxgpu import _family
 
+import fresh_process
 import oracle
 
 DTYPE_IDS = {jnp.dtype(jnp.float32): "f32", jnp.dtype(jnp.bfloat16): "bf16",
@@ -443,3 +448,85 @@ def mesh_axes(specs) -> set:
         continue
       out.update(entry if isinstance(entry, tuple) else (entry,))
   return out
+
+
+# ---- serialized programs in a fresh process ------------------------------------------------------
+
+
+def export(f, *args, platforms=("cpu", "cuda")):
+  """jax.export of jit(f) for `platforms`, with jaxgpu's custom calls allowed."""
+  import jax.export  # noqa: PLC0415 (not imported by `import jax` on jax 0.10)
+
+  return jax.export.export(jax.jit(f), platforms=platforms,
+                           disabled_checks=jaxgpu.export_disabled_checks())(*args)
+
+
+@contextlib.contextmanager
+def persistent_cache(path):
+  """jax's persistent compilation cache in `path` for the block, every entry written
+  (whatever its compile time); the process's own settings (none, in the suite) after.
+  jax sets its cache up once per process: reset_cache makes it read the settings again."""
+  from jax._src import compilation_cache  # noqa: PLC0415
+
+  names = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+           "jax_persistent_cache_min_entry_size_bytes")
+  old = {n: getattr(jax.config, n) for n in names}
+  compilation_cache.reset_cache()
+  jax.config.update(names[0], str(path))
+  jax.config.update(names[1], 0)
+  jax.config.update(names[2], 0)
+  try:
+    yield
+  finally:
+    for n, v in old.items():
+      jax.config.update(n, v)
+    compilation_cache.reset_cache()
+
+
+@dataclasses.dataclass(frozen=True)
+class FreshRun:
+  """What tests/fresh_process.py gave for each program: its output leaves, its error (a
+  traceback), and the persistent-cache hits its compilation made."""
+
+  outputs: dict
+  errors: dict
+  hits: dict
+
+  def result(self, name):
+    """The program's output leaves; fails the test with the subprocess's traceback."""
+    if name in self.errors:
+      raise AssertionError(f"{name} in a fresh process:\n{self.errors[name]}")
+    assert name in self.outputs, f"{name}: no output from the fresh process"
+    return self.outputs[name]
+
+
+def run_fresh(programs: dict, folder, cache: bool = True, timeout: float = 600) -> FreshRun:
+  """Runs every program {name: (Exported, args tuple)} in ONE new process that imports
+  only jaxgpu (tests/fresh_process.py). With `cache`, each program is first compiled here
+  into a persistent compilation cache in `folder`, which the new process reads."""
+  folder = pathlib.Path(folder)
+  folder.mkdir(parents=True, exist_ok=True)
+  cache_dir = folder / "compilation_cache"
+  for name, (exported, args) in programs.items():
+    (folder / f"{name}.jaxexport").write_bytes(exported.serialize())
+    fresh_process.save_arrays(folder / f"{name}.args.npz", jax.tree.leaves((args, {})))
+  if cache:
+    with persistent_cache(cache_dir):
+      for exported, args in programs.values():
+        jax.block_until_ready(exported.call(*args))
+  script = pathlib.Path(__file__).with_name("fresh_process.py")
+  cmd = [sys.executable, str(script), str(folder)] + ([str(cache_dir)] if cache else [])
+  # From the test folder, not the source tree's root: `import jaxgpu` finds the installed
+  # package, as a deployment would.
+  done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=timeout)
+  if done.returncode != 0:
+    raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stderr[-4000:]}")
+  outputs, errors, hits = {}, {}, {}
+  for name in programs:
+    error = folder / f"{name}.error"
+    if error.exists():
+      errors[name] = error.read_text()
+      continue
+    outputs[name] = fresh_process.load_arrays(folder / f"{name}.out.npz")
+    hits[name] = int((folder / f"{name}.hits").read_text())
+  return FreshRun(outputs, errors, hits)
