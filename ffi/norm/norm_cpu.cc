@@ -3,7 +3,9 @@
 // two-pass (exact centering for layer norm), output rounded once to the storage type. Weight/bias
 // gradients are summed over rows in float64 in row order, so they are deterministic and
 // their rounding error does not grow with the number of rows. Rows are converted to
-// float32 once (one dtype switch per row), then processed by plain float loops.
+// float32 once (one dtype switch per row), then processed by plain float loops. Weight and
+// bias are read in their own dtype (x's, or float32 master weights) and the gradients are
+// written in float32 in both cases.
 #include "norm/norm_cpu.h"
 
 #include <algorithm>
@@ -31,8 +33,8 @@ void NormFwd(const NormFwdParams& p) {
   const int64_t D = p.dim;
   std::vector<float> h(D), r(D), w(D), b(D), y(D);
   for (int64_t g = 0; g < p.groups; ++g) {
-    ScaleRow(p.weight, p.dtype, g * p.weight_group_stride, D, p.weight_offset, w.data());
-    if (p.bias) LoadFloats(p.bias, p.dtype, g * p.bias_group_stride, D, b.data());
+    ScaleRow(p.weight, p.param_dtype, g * p.weight_group_stride, D, p.weight_offset, w.data());
+    if (p.bias) LoadFloats(p.bias, p.param_dtype, g * p.bias_group_stride, D, b.data());
     for (int64_t row = g * p.rows_per_group; row < (g + 1) * p.rows_per_group; ++row) {
       const int64_t base = row * D;
       LoadFloats(p.x, p.dtype, base, D, h.data());
@@ -65,7 +67,7 @@ void NormBwd(const NormBwdParams& p) {
   std::vector<float> dy(D), xhat(D), w(D), dx(D), dh(D);
   std::vector<double> dw(p.dweight ? D : 0), db(p.dbias ? D : 0);
   for (int64_t g = 0; g < p.groups; ++g) {
-    ScaleRow(p.weight, p.dtype, g * p.weight_group_stride, D, p.weight_offset, w.data());
+    ScaleRow(p.weight, p.param_dtype, g * p.weight_group_stride, D, p.weight_offset, w.data());
     std::fill(dw.begin(), dw.end(), 0.0);
     std::fill(db.begin(), db.end(), 0.0);
     for (int64_t row = g * p.rows_per_group; row < (g + 1) * p.rows_per_group; ++row) {

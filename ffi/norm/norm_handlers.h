@@ -10,7 +10,9 @@
 //        rets  dx (G,R,D), dweight (G,D) f32|(0), dbias (G,D) f32|(0),
 //              workspace (K,G,S,D) f32|(0)  (K = wanted gradients; S row slots, CUDA only)
 //        attrs weight_offset f32, has_dh, has_weight, want_dweight, want_dbias (bool)
-// Gw and Gb are 1 (shared by all groups) or G. Absent operands are size-0 buffers.
+// Gw and Gb are 1 (shared by all groups) or G. Absent operands are size-0 buffers. weight
+// and bias have x's dtype or float32 (master weights), one dtype for both; the gradients
+// are float32 either way.
 #pragma once
 
 #include <cmath>
@@ -57,8 +59,9 @@ namespace jaxgpu {
 
 namespace norm_detail {
 
-// A (Gp, D) parameter shared by all G groups (Gp == 1) or one per group (Gp == G).
-inline ffi::Error GroupParamStride(const ffi::AnyBuffer& buf, ffi::DataType dtype, int64_t G,
+// A (Gp, D) parameter shared by all G groups (Gp == 1) or one per group (Gp == G), of
+// the parameters' element type `ptype` (see ParamType).
+inline ffi::Error GroupParamStride(const ffi::AnyBuffer& buf, ffi::DataType ptype, int64_t G,
                                    int64_t D, const char* name, int64_t* stride) {
   auto dims = buf.dimensions();
   if (dims.size() != 2 || dims[1] != D || (dims[0] != 1 && dims[0] != G)) {
@@ -66,10 +69,30 @@ inline ffi::Error GroupParamStride(const ffi::AnyBuffer& buf, ffi::DataType dtyp
                                        std::to_string(D) + ") or (" + std::to_string(G) + ", " +
                                        std::to_string(D) + ")");
   }
-  if (buf.element_type() != dtype) {
-    return ffi::Error::InvalidArgument(std::string(name) + ": dtype differs from x");
+  if (buf.element_type() != ptype) {
+    return ffi::Error::InvalidArgument(
+        std::string(name) + ": dtype " + DataTypeName(buf.element_type()) +
+        " differs from the other parameter's (" + DataTypeName(ptype) + ")");
   }
   *stride = (dims[0] == 1) ? 0 : D;
+  return ffi::Error::Success();
+}
+
+// The element type of the present parameters (weight, then bias): x's (`et`), or float32
+// beside a 16-bit x (float32 master weights: the kernels load them as float32); one type
+// for both. Without parameters, x's.
+inline ffi::Error ParamType(ffi::DataType et, DType x_dtype, const ffi::AnyBuffer* first,
+                            const char* name, ffi::DataType* ptype, DType* pdtype) {
+  *ptype = et;
+  if (first != nullptr) {
+    *ptype = first->element_type();
+    if (*ptype != et && *ptype != ffi::DataType::F32) {
+      return ffi::Error::InvalidArgument(std::string(name) + ": dtype must be that of x (" +
+                                         DataTypeName(et) + ") or float32, got " +
+                                         DataTypeName(*ptype));
+    }
+  }
+  *pdtype = *ptype == ffi::DataType::F32 ? DType::kF32 : x_dtype;
   return ffi::Error::Success();
 }
 
@@ -124,14 +147,17 @@ inline ffi::Error MakeNormFwdParams(NormKind kind, ffi::AnyBuffer x, ffi::AnyBuf
     JAXGPU_RETURN_IF_ERROR(Absent(residual, "residual"));
     JAXGPU_RETURN_IF_ERROR(Absent(*h, "h"));
   }
+  ffi::DataType pt{};
+  JAXGPU_RETURN_IF_ERROR(ParamType(et, dtype, has_weight ? &weight : (has_bias ? &bias : nullptr),
+                                   has_weight ? "weight" : "bias", &pt, &p->param_dtype));
   if (has_weight) {
-    JAXGPU_RETURN_IF_ERROR(GroupParamStride(weight, et, G, D, "weight", &p->weight_group_stride));
+    JAXGPU_RETURN_IF_ERROR(GroupParamStride(weight, pt, G, D, "weight", &p->weight_group_stride));
     p->weight = weight.untyped_data();
   } else {
     JAXGPU_RETURN_IF_ERROR(Absent(weight, "weight"));
   }
   if (has_bias) {
-    JAXGPU_RETURN_IF_ERROR(GroupParamStride(bias, et, G, D, "bias", &p->bias_group_stride));
+    JAXGPU_RETURN_IF_ERROR(GroupParamStride(bias, pt, G, D, "bias", &p->bias_group_stride));
     p->bias = bias.untyped_data();
   } else {
     JAXGPU_RETURN_IF_ERROR(Absent(bias, "bias"));
@@ -185,8 +211,11 @@ inline ffi::Error MakeNormBwdParams(NormKind kind, ffi::AnyBuffer dy, ffi::AnyBu
   } else {
     JAXGPU_RETURN_IF_ERROR(Absent(dh, "dh"));
   }
+  ffi::DataType pt{};
+  JAXGPU_RETURN_IF_ERROR(
+      ParamType(et, dtype, has_weight ? &weight : nullptr, "weight", &pt, &p->param_dtype));
   if (has_weight) {
-    JAXGPU_RETURN_IF_ERROR(GroupParamStride(weight, et, G, D, "weight", &p->weight_group_stride));
+    JAXGPU_RETURN_IF_ERROR(GroupParamStride(weight, pt, G, D, "weight", &p->weight_group_stride));
     p->weight = weight.untyped_data();
   } else {
     JAXGPU_RETURN_IF_ERROR(Absent(weight, "weight"));

@@ -15,9 +15,15 @@
 //           into shared memory, statistics from there;
 //   regs    rows that are not whole vectors (odd D): the row in registers, scalar access;
 //   loop    anything wider: the row is re-read (mostly from L2).
+//
+// Parameters. weight and bias are stored as W: x's type T, or float (float32 master
+// weights beside a 16-bit x). W = T is the same code as a kernel without the choice; a
+// float W moves 2x the parameter bytes (D floats per row block, from L2) and, in the
+// backward pass, holds the row's weights as floats in registers.
 #include "norm/norm_cuda.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "common/cuda_utils.cuh"
 #include "common/dev_knobs.h"
@@ -81,6 +87,25 @@ __device__ __forceinline__ void ToFloats(const Vec<T, VEC>& v, float (&f)[VEC]) 
   for (int j = 0; j < VEC; ++j) f[j] = ToFloat(v.v[j]);
 }
 
+// VEC parameter values (weight or bias) stored as W at `elem`. A float W beside a 16-bit T
+// (VEC = 8) is two 16-byte loads: parameters are only assumed 16-byte aligned, as x is.
+template <typename W, int VEC>
+__device__ __forceinline__ Vec<W, VEC> LoadParam(const void* base, int64_t elem) {
+  constexpr int kChunk = VEC * int(sizeof(W)) > 16 ? 16 / int(sizeof(W)) : VEC;
+  if constexpr (kChunk == VEC) {
+    return LoadVec<W, VEC>(base, elem);
+  } else {
+    Vec<W, VEC> v;
+#pragma unroll
+    for (int c = 0; c < VEC; c += kChunk) {
+      const Vec<W, kChunk> part = LoadVec<W, kChunk>(base, elem + c);
+#pragma unroll
+      for (int j = 0; j < kChunk; ++j) v.v[c + j] = part.v[j];
+    }
+    return v;
+  }
+}
+
 // Loads x (and residual) at `elem`; with a residual, stores h = round(x + residual) and
 // returns h, which is what gets normalized (the reference adds in the storage dtype).
 template <typename T, int VEC>
@@ -100,13 +125,14 @@ __device__ __forceinline__ void LoadInput(const NormFwdParams& p, int64_t elem, 
   }
 }
 
-template <typename T, int VEC>
+template <typename T, typename W, int VEC>
 __device__ __forceinline__ void StoreOutput(const NormFwdParams& p, int64_t group, int64_t elem,
                                             int64_t col, const float (&f)[VEC], float mean,
                                             float rstd) {
   float w[VEC], b[VEC];
-  if (p.weight) ToFloats<T, VEC>(LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col), w);
-  if (p.bias) ToFloats<T, VEC>(LoadVec<T, VEC>(p.bias, group * p.bias_group_stride + col), b);
+  if (p.weight)
+    ToFloats<W, VEC>(LoadParam<W, VEC>(p.weight, group * p.weight_group_stride + col), w);
+  if (p.bias) ToFloats<W, VEC>(LoadParam<W, VEC>(p.bias, group * p.bias_group_stride + col), b);
   Vec<T, VEC> out;
 #pragma unroll
   for (int j = 0; j < VEC; ++j) {
@@ -156,7 +182,7 @@ __device__ __forceinline__ void StoreDx(const NormBwdParams& p, int64_t elem, fl
 // staged, a thread keeps 40 registers, an SM holds 7-8 rows (112-128 KiB) in flight, and
 // the kernel reached 2.89 TB/s (1.02x XLA).
 
-template <typename T, int VEC, bool kLayer, bool kResidual>
+template <typename T, typename W, int VEC, bool kLayer, bool kResidual>
 __global__ void __launch_bounds__(kBlockThreads) NormFwdStaged(const NormFwdParams p, int tpr) {
   extern __shared__ __align__(16) unsigned char staged[];
   __shared__ float scratch[kScratchFloats];
@@ -221,13 +247,13 @@ __global__ void __launch_bounds__(kBlockThreads) NormFwdStaged(const NormFwdPara
   for (int c = first; c < D; c += step) {
     float f[VEC];
     ToFloats<T, VEC>(*reinterpret_cast<const Vec<T, VEC>*>(xs + c), f);
-    StoreOutput<T, VEC>(p, group, base + c, c, f, mean, rstd);
+    StoreOutput<T, W, VEC>(p, group, base + c, c, f, mean, rstd);
   }
 }
 
 // Register kernel for rows that are not whole 16-byte vectors (VEC = 1): each of `tpr`
 // threads holds VPT elements of the row.
-template <typename T, int VEC, int VPT, bool kLayer>
+template <typename T, typename W, int VEC, int VPT, bool kLayer>
 __global__ void __launch_bounds__(kRegsMaxThreads) NormFwdRegs(const NormFwdParams p, int tpr) {
   __shared__ float scratch[kScratchFloats];
   const int64_t rows = p.groups * p.rows_per_group;
@@ -285,14 +311,14 @@ __global__ void __launch_bounds__(kRegsMaxThreads) NormFwdRegs(const NormFwdPara
     if (col < D) {
       float f[VEC];
       ToFloats<T, VEC>(h[k], f);
-      StoreOutput<T, VEC>(p, group, base + col, col, f, mean, rstd);
+      StoreOutput<T, W, VEC>(p, group, base + col, col, f, mean, rstd);
     }
   }
 }
 
 // One row per block of 1024 threads; the row is read up to three times (the later reads
 // mostly hit L2). With a residual the later passes read h, which this thread wrote.
-template <typename T, int VEC, bool kLayer>
+template <typename T, typename W, int VEC, bool kLayer>
 __global__ void __launch_bounds__(1024) NormFwdLoop(const NormFwdParams p) {
   __shared__ float scratch[kScratchFloats];
   const int64_t row = blockIdx.x;
@@ -331,7 +357,7 @@ __global__ void __launch_bounds__(1024) NormFwdLoop(const NormFwdParams p) {
   for (int64_t col = int64_t(threadIdx.x) * VEC; col < D; col += step) {
     float f[VEC];
     ToFloats<T, VEC>(LoadVec<T, VEC>(src, base + col), f);
-    StoreOutput<T, VEC>(p, group, base + col, col, f, mean, rstd);
+    StoreOutput<T, W, VEC>(p, group, base + col, col, f, mean, rstd);
   }
 }
 
@@ -343,11 +369,11 @@ __global__ void __launch_bounds__(1024) NormFwdLoop(const NormFwdParams p) {
 // a block) accumulates its rows' contributions in registers and writes one partial row;
 // ReducePartials sums the slots in a fixed order.
 
-template <typename T, int VEC>
+template <typename W, int VEC>
 __device__ __forceinline__ void WeightFloats(const NormBwdParams& p, int64_t group, int64_t col,
                                              float (&w)[VEC]) {
   if (p.weight) {
-    ToFloats<T, VEC>(LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col), w);
+    ToFloats<W, VEC>(LoadParam<W, VEC>(p.weight, group * p.weight_group_stride + col), w);
 #pragma unroll
     for (int j = 0; j < VEC; ++j) w[j] += p.weight_offset;
   } else {
@@ -356,12 +382,12 @@ __device__ __forceinline__ void WeightFloats(const NormBwdParams& p, int64_t gro
   }
 }
 
-// Per-thread state of a backward row slot: the weights of its columns, and the
-// dweight/dbias sums of its rows (dbias for layer norm only).
-template <typename T, int VEC, int VPT, bool kLayer>
+// Per-thread state of a backward row slot: the weights of its columns (stored as W), and
+// the dweight/dbias sums of its rows (dbias for layer norm only).
+template <typename T, typename W, int VEC, int VPT, bool kLayer>
 struct BwdColumns {
   static constexpr int kDb = kLayer ? VPT : 1;
-  Vec<T, VEC> w[VPT];
+  Vec<W, VEC> w[VPT];
   float dw[VPT][VEC], db[kDb][VEC];
   float w_add;  // weight_offset, or 1 without a weight (a scale of 1)
 
@@ -372,12 +398,12 @@ struct BwdColumns {
       const int col = (int(threadIdx.x) + k * tpr) * VEC;  // < D <= INT32_MAX
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
-        w[k].v[j] = FromFloat<T>(0.f);
+        w[k].v[j] = FromFloat<W>(0.f);
         dw[k][j] = 0.f;
         if (kLayer) db[k < kDb ? k : 0][j] = 0.f;
       }
       if (p.weight && col < D)
-        w[k] = LoadVec<T, VEC>(p.weight, group * p.weight_group_stride + col);
+        w[k] = LoadParam<W, VEC>(p.weight, group * p.weight_group_stride + col);
     }
   }
 
@@ -426,7 +452,7 @@ struct BwdColumns {
   }
 };
 
-template <typename T, int VEC, int VPT, bool kLayer>
+template <typename T, typename W, int VEC, int VPT, bool kLayer>
 __global__ void __launch_bounds__(kRegsMaxThreads)
     NormBwdRegs(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw, float* ws_db) {
   __shared__ float scratch[kScratchFloats];
@@ -436,7 +462,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
   const bool has_slot = slot < slots;  // the last block of a group may have spare rows
   const int64_t R = p.rows_per_group;
   const int D = static_cast<int>(p.dim);
-  BwdColumns<T, VEC, VPT, kLayer> cols;
+  BwdColumns<T, W, VEC, VPT, kLayer> cols;
   cols.Init(p, group, tpr, D);
 
   const int64_t iters = CeilDiv(R, slots);  // the same for every thread of the block
@@ -474,7 +500,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
 // kStages - 1 rows of a slot are cp.async'ed into shared-memory stages while the current
 // row is processed, so loads stay in flight across the row's reduction and stores.
 // Registers hold only the dweight/dbias accumulators and the weights.
-template <typename T, int VEC, int VPT, bool kLayer, int kStages>
+template <typename T, typename W, int VEC, int VPT, bool kLayer, int kStages>
 __global__ void __launch_bounds__(kRegsMaxThreads)
     NormBwdStaged(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw,
                   float* ws_db) {
@@ -491,7 +517,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
   T* mine = reinterpret_cast<T*>(staged) + int64_t(threadIdx.y) * arrays * D;
   const int64_t stage_elems = int64_t(blockDim.y) * arrays * D;
 
-  BwdColumns<T, VEC, VPT, kLayer> cols;
+  BwdColumns<T, W, VEC, VPT, kLayer> cols;
   cols.Init(p, group, tpr, D);
 
   const int64_t iters = CeilDiv(R, slots);  // the same for every thread of the block
@@ -559,7 +585,7 @@ __global__ void __launch_bounds__(kRegsMaxThreads)
 
 // Rows too wide for registers: one row at a time per block of 1024 threads, two passes,
 // partial sums accumulated in the (zeroed) workspace row this block owns.
-template <typename T, int VEC, bool kLayer>
+template <typename T, typename W, int VEC, bool kLayer>
 __global__ void __launch_bounds__(1024)
     NormBwdLoop(const NormBwdParams p, int tpr, int blocks_per_group, float* ws_dw, float* ws_db) {
   __shared__ float scratch[kScratchFloats];
@@ -580,7 +606,7 @@ __global__ void __launch_bounds__(1024)
       float dy[VEC], x[VEC], w[VEC];
       ToFloats<T, VEC>(LoadVec<T, VEC>(p.dy, base + col), dy);
       ToFloats<T, VEC>(LoadVec<T, VEC>(p.xh, base + col), x);
-      WeightFloats<T, VEC>(p, group, col, w);
+      WeightFloats<W, VEC>(p, group, col, w);
 #pragma unroll
       for (int j = 0; j < VEC; ++j) {
         const float xhat = (x[j] - mean) * rstd;
@@ -595,7 +621,7 @@ __global__ void __launch_bounds__(1024)
       float dy[VEC], x[VEC], w[VEC], dh[VEC];
       ToFloats<T, VEC>(LoadVec<T, VEC>(p.dy, base + col), dy);
       ToFloats<T, VEC>(LoadVec<T, VEC>(p.xh, base + col), x);
-      WeightFloats<T, VEC>(p, group, col, w);
+      WeightFloats<W, VEC>(p, group, col, w);
       if (p.dh) ToFloats<T, VEC>(LoadVec<T, VEC>(p.dh, base + col), dh);
       Vec<T, VEC> out;
 #pragma unroll
@@ -653,6 +679,21 @@ int TunedVpt(int which, int fallback) {
   return knob.ints[which] > 0 ? knob.ints[which] : fallback;
 }
 
+template <typename W>
+struct ParamTag {
+  using type = W;
+};
+
+// Calls f(ParamTag<W>{}) with W, the parameters' storage type: T, or float for float32
+// master weights. Any other type is an error (the handlers admit no other). For a float
+// T both cases name the same kernels.
+template <typename T, typename F>
+cudaError_t WithParamType(DType dtype, DType param_dtype, F&& f) {
+  if (param_dtype == dtype) return f(ParamTag<T>{});
+  if (param_dtype == DType::kF32) return f(ParamTag<float>{});
+  return cudaErrorInvalidValue;
+}
+
 struct BwdLaunch {
   BwdKernel kernel;
   RowConfig cfg;
@@ -662,33 +703,36 @@ struct BwdLaunch {
 cudaError_t SelectBwd(const NormBwdParams& p, BwdLaunch* l) {
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kFull = 16 / sizeof(T);
-    return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
-      const int arrays = p.dh ? 3 : 2;
-      if (p.dim % kFull == 0) {
-        // 4 vectors a thread (256 threads for 8192 bf16) measured 0.50 ms for rms_norm
-        // forward+backward at 16384 x 8192 on the H100, against 0.55 ms at 2 (512 threads).
-        const RowConfig c =
-            ChooseRowConfig(p.dim, p.dtype, TunedVpt(1, 4), kBwdStagedMaxVpt, kRegsMaxThreads);
-        // Two stages: three measured 1-17% slower (rms_norm+res 0.89 ms against 0.77 at
-        // 16384 x 8192, H100): the extra 32 KiB a block cost residency.
-        constexpr int kStages = 2;
-        const int64_t smem = kStages * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
-        if (!c.loop && smem <= MaxStagedBytes(kScratchBytes)) {
-          return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
-            *l = {NormBwdStaged<T, kFull, VPT, kLayer, kStages>, c, smem};
-            return cudaSuccess;
-          });
+    return WithParamType<T>(p.dtype, p.param_dtype, [&](auto tag) {
+      using W = typename decltype(tag)::type;
+      return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
+        const int arrays = p.dh ? 3 : 2;
+        if (p.dim % kFull == 0) {
+          // 4 vectors a thread (256 threads for 8192 bf16) measured 0.50 ms for rms_norm
+          // forward+backward at 16384 x 8192 on the H100, against 0.55 ms at 2 (512 threads).
+          const RowConfig c =
+              ChooseRowConfig(p.dim, p.dtype, TunedVpt(1, 4), kBwdStagedMaxVpt, kRegsMaxThreads);
+          // Two stages: three measured 1-17% slower (rms_norm+res 0.89 ms against 0.77 at
+          // 16384 x 8192, H100): the extra 32 KiB a block cost residency.
+          constexpr int kStages = 2;
+          const int64_t smem = kStages * int64_t(c.rows_per_block) * arrays * p.dim * sizeof(T);
+          if (!c.loop && smem <= MaxStagedBytes(kScratchBytes)) {
+            return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
+              *l = {NormBwdStaged<T, W, kFull, VPT, kLayer, kStages>, c, smem};
+              return cudaSuccess;
+            });
+          }
         }
-      }
-      const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 2, kBwdRegsMaxVpt, kRegsMaxThreads);
-      const bool vec = p.dim % kFull == 0;
-      if (c.loop) {
-        *l = {vec ? NormBwdLoop<T, kFull, kLayer> : NormBwdLoop<T, 1, kLayer>, c, 0};
-        return cudaSuccess;
-      }
-      return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2), [&] {
-        *l = {NormBwdRegs<T, 1, VPT, kLayer>, c, 0};
-        return cudaSuccess;
+        const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 2, kBwdRegsMaxVpt, kRegsMaxThreads);
+        const bool vec = p.dim % kFull == 0;
+        if (c.loop) {
+          *l = {vec ? NormBwdLoop<T, W, kFull, kLayer> : NormBwdLoop<T, W, 1, kLayer>, c, 0};
+          return cudaSuccess;
+        }
+        return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2), [&] {
+          *l = {NormBwdRegs<T, W, 1, VPT, kLayer>, c, 0};
+          return cudaSuccess;
+        });
       });
     });
   });
@@ -701,32 +745,36 @@ cudaError_t LaunchNormFwd(const NormFwdParams& p, cudaStream_t stream) {
   if (rows == 0 || p.dim == 0) return cudaSuccess;
   const cudaError_t status = JAXGPU_DTYPE_SWITCH(p.dtype, T, kFloatDTypes, [&] {
     constexpr int kFull = 16 / sizeof(T);
-    return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
-      if (p.dim % kFull == 0) {
-        // Staged: 256-thread blocks, a row per `tpr` threads (~4 vectors each).
-        const int64_t nvec = p.dim / kFull;
-        const int tpr = std::min(kBlockThreads, NextPow2(CeilDiv(nvec, TunedVpt(0, 4))));
-        const int rpb = kBlockThreads / tpr;
-        const int64_t smem = int64_t(rpb) * p.dim * sizeof(T) * (p.residual ? 2 : 1);
-        if (smem <= MaxStagedBytes(kScratchBytes)) {
-          auto kernel = p.residual ? NormFwdStaged<T, kFull, kLayer, true>
-                                   : NormFwdStaged<T, kFull, kLayer, false>;
-          if (cudaError_t err = AllowSmem(kernel, smem); err != cudaSuccess) return err;
-          kernel<<<CeilDiv(rows, rpb), dim3(tpr, rpb), smem, stream>>>(p, tpr);
+    return WithParamType<T>(p.dtype, p.param_dtype, [&](auto tag) {
+      using W = typename decltype(tag)::type;
+      return JAXGPU_BOOL_SWITCH(p.kind == NormKind::kLayer, kLayer, [&] {
+        if (p.dim % kFull == 0) {
+          // Staged: 256-thread blocks, a row per `tpr` threads (~4 vectors each).
+          const int64_t nvec = p.dim / kFull;
+          const int tpr = std::min(kBlockThreads, NextPow2(CeilDiv(nvec, TunedVpt(0, 4))));
+          const int rpb = kBlockThreads / tpr;
+          const int64_t smem = int64_t(rpb) * p.dim * sizeof(T) * (p.residual ? 2 : 1);
+          if (smem <= MaxStagedBytes(kScratchBytes)) {
+            auto kernel = p.residual ? NormFwdStaged<T, W, kFull, kLayer, true>
+                                     : NormFwdStaged<T, W, kFull, kLayer, false>;
+            if (cudaError_t err = AllowSmem(kernel, smem); err != cudaSuccess) return err;
+            kernel<<<CeilDiv(rows, rpb), dim3(tpr, rpb), smem, stream>>>(p, tpr);
+            return cudaSuccess;
+          }
+        }
+        const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 4, kFwdRegsMaxVpt, kRegsMaxThreads);
+        if (c.loop || c.vec != 1) {  // too wide for registers (or for shared memory)
+          auto kernel =
+              c.vec == 1 ? NormFwdLoop<T, W, 1, kLayer> : NormFwdLoop<T, W, kFull, kLayer>;
+          kernel<<<rows, 1024, 0, stream>>>(p);
           return cudaSuccess;
         }
-      }
-      const RowConfig c = ChooseRowConfig(p.dim, p.dtype, 4, kFwdRegsMaxVpt, kRegsMaxThreads);
-      if (c.loop || c.vec != 1) {  // too wide for registers (or for shared memory)
-        auto kernel = c.vec == 1 ? NormFwdLoop<T, 1, kLayer> : NormFwdLoop<T, kFull, kLayer>;
-        kernel<<<rows, 1024, 0, stream>>>(p);
-        return cudaSuccess;
-      }
-      return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
-        NormFwdRegs<T, 1, VPT, kLayer>
-            <<<CeilDiv(rows, c.rows_per_block), dim3(c.tpr, c.rows_per_block), 0, stream>>>(p,
-                                                                                            c.tpr);
-        return cudaSuccess;
+        return JAXGPU_INT_SWITCH(c.vpt, VPT, (1, 2, 4), [&] {
+          NormFwdRegs<T, W, 1, VPT, kLayer>
+              <<<CeilDiv(rows, c.rows_per_block), dim3(c.tpr, c.rows_per_block), 0, stream>>>(
+                  p, c.tpr);
+          return cudaSuccess;
+        });
       });
     });
   });

@@ -18,7 +18,8 @@ enum class NormKind : int32_t { kRms = 0, kLayer = 1 };
 
 struct NormFwdParams {
   NormKind kind;
-  DType dtype;  // of x, residual, y, h, weight, bias
+  DType dtype;        // of x, residual, y, h
+  DType param_dtype;  // of weight and bias: dtype, or float32 (master weights)
   int64_t groups;
   int64_t rows_per_group;
   int64_t dim;
@@ -38,7 +39,8 @@ struct NormFwdParams {
 
 struct NormBwdParams {
   NormKind kind;
-  DType dtype;
+  DType dtype;        // of dy, dh, xh, dx
+  DType param_dtype;  // of weight: dtype, or float32
   int64_t groups;
   int64_t rows_per_group;
   int64_t dim;

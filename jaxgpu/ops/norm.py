@@ -8,6 +8,12 @@ float32 per row (rstd; and the mean for layer norm) kept for the backward pass. 
 backward pass allocates dx and a float32 (G, D) weight/bias gradient; on CUDA also a
 float32 workspace of partial sums of about 8 MiB per gradient (see _PARTIAL_FLOATS). No
 float32 copy of a row-shaped array is made.
+
+Parameter dtypes. weight and bias have x's dtype, or float32 beside a bfloat16/float16 x
+(float32 master weights, as mixed-precision training keeps them): the kernels read them
+as float32 and the weight/bias gradients, summed in float32 (float64 on the CPU), are
+returned in the parameter's own dtype, so a float32 parameter's gradient is never rounded
+to 16 bits.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ class _Config:
   has_bias: bool
   has_residual: bool
   primal_types: tuple = (None,) * 4  # of x, weight, bias, residual (see _kernel_op)
+  param_dtype: object = None  # of weight and bias (the gradients' dtype): x's or float32
 
   def target(self, pass_: str) -> str:
     return (RMS_NORM if self.kind == "rms" else LAYER_NORM).target(pass_, self.implementation)
@@ -201,8 +208,8 @@ def _norm_bwd(cfg: _Config, saved, cotangent):
   dy, dh = cotangent if cfg.has_residual else (cotangent, None)
   dx, dw, db = _bwd_call(cfg, _group(dy), _group(dh), xh, weight, mean, rstd)
   dx = dx[0]
-  dweight = None if dw is None else dw[0].astype(weight.dtype)
-  dbias = None if db is None else db[0].astype(dx.dtype)
+  dweight = None if dw is None else dw[0].astype(cfg.param_dtype)
+  dbias = None if db is None else db[0].astype(cfg.param_dtype)
   return match_primal_types((dx, dweight, dbias, dx if cfg.has_residual else None),
                             cfg.primal_types)
 
@@ -211,6 +218,13 @@ _norm.defvjp(_norm_fwd, _norm_bwd)
 
 
 # ---- public API ---------------------------------------------------------------------------
+
+
+def _param_dtype(op, name, p, x):
+  """weight / bias: x's dtype, or float32 (master weights beside a 16-bit x)."""
+  if p.dtype != x.dtype and p.dtype != jnp.float32:
+    allowed = f"the dtype of x ({x.dtype})" + ("" if x.dtype == jnp.float32 else " or float32")
+    raise TypeError(f"{op}: {name} must have {allowed}, got {p.dtype}")
 
 
 def _check(op, x, weight, bias, residual, eps):
@@ -222,7 +236,7 @@ def _check(op, x, weight, bias, residual, eps):
     if p is None:
       continue
     p = _checks.as_array(op, name, p)
-    _checks.same_dtype(op, name, p, "x", x)
+    _param_dtype(op, name, p, x)
     _checks.shape_is(op, name, p, (dim,), "the last dim of x")
     params[name] = p
   if residual is not None:
@@ -230,7 +244,16 @@ def _check(op, x, weight, bias, residual, eps):
     _checks.same_dtype(op, "residual", residual, "x", x)
     _checks.shape_is(op, "residual", residual, x.shape, "the shape of x")
   eps = _checks.positive_finite(op, "eps", eps)
-  return x, params.get("weight"), params.get("bias"), residual, eps
+  weight, bias = params.get("weight"), params.get("bias")
+  if weight is not None and bias is not None and weight.dtype != bias.dtype:
+    # One of them is float32: the kernels take one parameter dtype, and widening the other
+    # is exact (its gradient comes back in its own dtype through the cast).
+    weight, bias = weight.astype(jnp.float32), bias.astype(jnp.float32)
+  return x, weight, bias, residual, eps
+
+
+def _params_dtype(x, weight, bias):
+  return jnp.dtype((weight if weight is not None else bias if bias is not None else x).dtype)
 
 
 def rms_norm(x, weight=None, *, residual=None, eps=1e-6, weight_offset=0.0,
@@ -239,7 +262,9 @@ def rms_norm(x, weight=None, *, residual=None, eps=1e-6, weight_offset=0.0,
 
   Args:
     x: (..., D) float32, bfloat16 or float16; any number of leading dims.
-    weight: optional (D,), the dtype of x. The scale is ``weight_offset + weight``.
+    weight: optional (D,), the dtype of x, or float32 beside a bfloat16/float16 x (master
+      weights: read as float32, the gradient returned in float32, never rounded through
+      16 bits). The scale is ``weight_offset + weight``.
     residual: optional, the shape and dtype of x. Then ``h = x + residual`` is formed in
       the kernel, normalized, and returned too (the residual stream a transformer needs).
     eps: added to the mean square; positive and finite.
@@ -270,7 +295,7 @@ def rms_norm(x, weight=None, *, residual=None, eps=1e-6, weight_offset=0.0,
   if impl == "xla" or x.size == 0:
     return reference.rms_norm(x, weight, residual=residual, eps=eps, weight_offset=weight_offset)
   cfg = _Config("rms", eps, weight_offset, impl, weight is not None, False, residual is not None,
-                primal_types(x, weight, None, residual))
+                primal_types(x, weight, None, residual), _params_dtype(x, weight, None))
   return _norm(cfg, x, weight, None, residual)
 
 
@@ -279,7 +304,8 @@ def layer_norm(x, weight=None, bias=None, *, residual=None, eps=1e-5, implementa
 
   Args:
     x: (..., D) float32, bfloat16 or float16; any number of leading dims.
-    weight, bias: optional (D,), the dtype of x.
+    weight, bias: optional (D,), the dtype of x or float32 (see rms_norm's weight); their
+      gradients have their dtypes.
     residual: optional, the shape and dtype of x; then ``(y, h)`` with h = x + residual.
     eps: added to the variance; positive and finite.
     implementation: None, 'cuda', 'cpu' or 'xla' (see rms_norm).
@@ -302,5 +328,6 @@ def layer_norm(x, weight=None, bias=None, *, residual=None, eps=1e-5, implementa
   if impl == "xla" or x.size == 0:
     return reference.layer_norm(x, weight, bias, residual=residual, eps=eps)
   cfg = _Config("layer", eps, 0.0, impl, weight is not None, bias is not None,
-                residual is not None, primal_types(x, weight, bias, residual))
+                residual is not None, primal_types(x, weight, bias, residual),
+                _params_dtype(x, weight, bias))
   return _norm(cfg, x, weight, bias, residual)

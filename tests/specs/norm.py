@@ -33,6 +33,7 @@ class Case:
   offset: float = 0.0
   residual: bool = False
   eps: float | None = None    # None: the op's default
+  param_dtype: object = None  # of weight and bias; None: x's (float32: master weights)
 
   @property
   def shape(self):
@@ -54,14 +55,16 @@ class Case:
       parts.append("res")
     if self.eps is not None:
       parts.append(f"eps{self.eps:g}")
+    if self.param_dtype is not None:
+      parts.append(f"p{jnp.dtype(self.param_dtype).name}")
     return "-".join(parts)
 
 
-def full_case(kind, dtype, lead, dim, residual=True, offset=None):
+def full_case(kind, dtype, lead, dim, residual=True, offset=None, param_dtype=None):
   """Every parameter the op takes: weight, bias (layer norm), rms_norm's offset 1."""
   return Case(kind, dtype, lead, dim, weight=True, bias=kind == "layer",
               offset=(1.0 if kind == "rms" else 0.0) if offset is None else offset,
-              residual=residual)
+              residual=residual, param_dtype=param_dtype)
 
 
 def make_arrays(rng, case: Case) -> dict:
@@ -69,11 +72,12 @@ def make_arrays(rng, case: Case) -> dict:
   scale = float(rng.uniform(0.5, 3.0))
   shift = float(rng.uniform(-3, 3)) if case.kind == "layer" else 0.0
   a = {"x": oracle.randn(rng, case.shape, case.dtype, scale, shift)}
+  pdt = case.dtype if case.param_dtype is None else case.param_dtype
   if case.weight:
-    a["weight"] = oracle.randn(rng, (case.dim,), case.dtype, 0.3 if case.offset else 1.0,
+    a["weight"] = oracle.randn(rng, (case.dim,), pdt, 0.3 if case.offset else 1.0,
                                0.0 if case.offset else 0.5)
   if case.bias:
-    a["bias"] = oracle.randn(rng, (case.dim,), case.dtype)
+    a["bias"] = oracle.randn(rng, (case.dim,), pdt)
   if case.residual:
     a["residual"] = oracle.randn(rng, case.shape, case.dtype, scale)
   return a
@@ -182,6 +186,15 @@ def _vmap_table(kind) -> tuple:
     out.append(C.VmapCase(f"x1-res1-weight{w}", full_case(kind, jnp.bfloat16, (7,), 111,
                                                             offset=0.0),
                           ({"x": 1, "residual": 1, "weight": w},), frozenset({"grad_of"})))
+  # float32 parameters beside bfloat16 rows: batched with x (one launch, per-example float32
+  # weight gradients), and shared (grad(vmap): the float32 gradient sums over the batch).
+  f32 = jnp.float32
+  out.append(C.VmapCase("x0-weight0-f32params",
+                        full_case(kind, jnp.bfloat16, (4, 5), 59, param_dtype=f32),
+                        ({"x": 0, "residual": 0, "weight": 0},), frozenset({"fwd", "grad"})))
+  out.append(C.VmapCase("x1-res1-f32params", full_case(kind, jnp.float16, (7,), 111,
+                                                       param_dtype=f32),
+                        ({"x": 1, "residual": 1},), frozenset({"fwd", "grad_of"})))
   # vmap(vmap): x batched twice, the weight by the outer vmap only, the bias shared.
   out.append(C.VmapCase("nested", full_case(kind, jnp.float16, (5,), 59, offset=0.0),
                         ({"x": 0, "residual": 0, "weight": 0}, {"x": 1, "residual": 1}),
@@ -203,6 +216,14 @@ def _sharding_table(kind) -> tuple:
                      fwd=frozenset(), bwd=frozenset({"all-reduce"}),
                      out_specs={"y": ROWS, "h": ROWS},
                      grad_specs={"x": ROWS, "residual": ROWS, **{p: P(None) for p in params}}),
+      # The same with float32 parameters beside bfloat16 rows (master weights).
+      C.ShardingCase("rows-f32params",
+                     full_case(kind, jnp.bfloat16, (8, 6), 59, param_dtype=jnp.float32),
+                     {"x": ROWS, "residual": ROWS},
+                     fwd=frozenset(), bwd=frozenset({"all-reduce"}),
+                     out_specs={"y": ROWS, "h": ROWS},
+                     grad_specs={"x": ROWS, "residual": ROWS, **{p: P(None) for p in params}},
+                     axis_types=("auto",)),
       # D sharded (x over 'b', weight over 'b' too): still right, by a gather.
       C.ShardingCase("D-sharded", full_case(kind, jnp.float32, (8, 6), 118),
                      {"x": d_sharded, "residual": d_sharded, "weight": P("b"), "bias": P(None)},
@@ -226,8 +247,12 @@ def _bad(kind) -> tuple:
        r"weight.*shape"),
       ("weight-rank", lambda: dict(x=x(), weight=jnp.ones((2, 3))), ValueError,
        r"weight.*shape"),
-      ("weight-dtype", lambda: dict(x=jnp.ones((2, 3), jnp.bfloat16), weight=jnp.ones((3,))),
-       TypeError, r"weight.*dtype"),
+      # weight: x's dtype or float32 (master weights), nothing else.
+      ("weight-dtype", lambda: dict(x=jnp.ones((2, 3), jnp.bfloat16),
+                                    weight=jnp.ones((3,), jnp.float16)),
+       TypeError, r"weight.*dtype of x \(bfloat16\) or float32"),
+      ("weight-dtype-f32x", lambda: dict(x=x(), weight=jnp.ones((3,), jnp.bfloat16)),
+       TypeError, r"weight.*dtype of x \(float32\), got bfloat16"),
       ("residual-shape", lambda: dict(x=x(), residual=jnp.ones((3, 3))), ValueError,
        r"residual.*shape"),
       ("residual-broadcastable", lambda: dict(x=x(), residual=jnp.ones((3,))), ValueError,
@@ -247,6 +272,10 @@ def _bad(kind) -> tuple:
         ("bias-shape", lambda: dict(x=x(), bias=jnp.ones((4,))), ValueError, r"bias.*shape"),
         ("bias-dtype", lambda: dict(x=x(), bias=jnp.ones((3,), jnp.float16)), TypeError,
          r"bias.*dtype"),
+        ("bias-dtype-16bit", lambda: dict(x=jnp.ones((2, 3), jnp.float16),
+                                          weight=jnp.ones((3,)),
+                                          bias=jnp.ones((3,), jnp.bfloat16)),
+         TypeError, r"bias.*dtype of x \(float16\) or float32"),
     ]
   else:
     for vid, value, error in (("nan", float("nan"), ValueError), ("inf", float("inf"), ValueError),
