@@ -81,6 +81,67 @@ def test_a_few_train_steps_lower_the_loss(kernels):
   assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.parametrize("version", [2, 3])
+def test_float32_master_params_with_bf16_compute(version):
+  """compute_dtype=bfloat16 with float32 parameters: the loss is the bfloat16 model's (the
+  same values, computed in bfloat16), the parameters and moments stay float32 and keep
+  updates smaller than a bfloat16 ulp, the norm weights' gradients reach AdamW unrounded."""
+  c = gemma.Config.tiny(version)
+  # Parameters exactly representable in bfloat16: every run starts from the same model
+  # (fresh arrays each time: train_step donates its arguments).
+  start = lambda dtype: U.cast(U.random_params(c, 5, dtype=jnp.bfloat16), dtype)
+  p16 = jax.tree.map(np.asarray, start(jnp.bfloat16))
+  opt = gemma.AdamW(learning_rate=1e-3, weight_decay=0.01, clip_norm=1.0)
+  batch = counting_batch(c, 4, 12, 7)
+  kw = dict(config=c, optimizer=opt, implementation=U.KERNEL_IMPL)
+  n16, s16, m16 = gemma.train_step(start(jnp.bfloat16), gemma.init_opt_state(p16), batch, **kw)
+  p32 = start(jnp.float32)
+  n32, s32, m32 = gemma.train_step(p32, gemma.init_opt_state(p32), batch,
+                                   compute_dtype=jnp.bfloat16, **kw)
+  p32 = start(jnp.float32)
+  _, _, full32 = gemma.train_step(p32, gemma.init_opt_state(p32), batch, **kw)
+  l16, l32 = float(m16["loss"]), float(m32["loss"])
+  assert abs(l32 - l16) <= 1e-6 * abs(l16), (l32, l16)
+  # ... and it was computed in bfloat16, not float32.
+  assert abs(l32 - float(full32["loss"])) > 1e-6 * abs(l16), (l32, float(full32["loss"]))
+  for tree in (n32, s32["mu"], s32["nu"]):
+    assert all(a.dtype == jnp.float32 for a in jax.tree.leaves(tree))
+  # The norm weights' gradients were float32: their first moments are (1 - b1) g, and
+  # bfloat16 gradients (the bfloat16 run's) would be rounded to 8 bits of mantissa.
+  mu = np.asarray(s32["mu"]["final_norm"])
+  assert np.any(mu.astype(jnp.bfloat16).astype(np.float32) != mu)
+  # Updates of ~1e-3 are kept in float32 (the bfloat16 run rounds most of them away).
+  moved = [np.mean(np.asarray(a) != np.asarray(b, np.float32))
+           for a, b in zip(jax.tree.leaves(n32), jax.tree.leaves(p16))]
+  assert min(moved) > 0.9, moved
+  _, _, m16b = gemma.train_step(n16, s16, batch, **kw)
+  _, _, m32b = gemma.train_step(n32, s32, batch, compute_dtype=jnp.bfloat16, **kw)
+  assert float(m32b["loss"]) < l32
+  assert abs(float(m32b["loss"]) - float(m16b["loss"])) <= 0.02 * l16
+
+
+def test_check_params_takes_float32_norm_weights_only():
+  """Beside bfloat16 matrices (compute_params' output), norm weights may be float32; a
+  float32 matrix, or norm weights of another 16-bit dtype, are still errors."""
+  c = gemma.Config.tiny(3)
+  params = gemma.compute_params(U.random_params(c, 1), jnp.bfloat16)
+  assert params["final_norm"].dtype == jnp.float32 and params["embed"].dtype == jnp.bfloat16
+  gemma.check_params(params, c)
+  layer = params["layers"][0]
+  for name, dtype in (("q", jnp.float32), ("q_norm", jnp.float16)):
+    bad = {**params, "layers": [{**layer, name: layer[name].astype(dtype)}]
+           + params["layers"][1:]}
+    with pytest.raises(ValueError, match=rf"\['layers'\]\[0\]\['{name}'\].*dtype"):
+      gemma.check_params(bad, c)
+
+
+def test_compute_dtype_rejects_integers():
+  c = gemma.Config.tiny(2)
+  params = U.random_params(c, 1)
+  with pytest.raises(ValueError, match="compute_dtype"):
+    gemma.compute_params(params, jnp.int32)
+
+
 # ---- data + tensor parallelism on 8 CPU devices -------------------------------------------
 
 B, T = 8, 12      # T differs from head_dim (16) so no activation has a parameter's shape

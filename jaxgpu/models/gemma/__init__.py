@@ -6,7 +6,7 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
   config.py    Config: hyperparameters; presets gemma2_2b, gemma3_1b, gemma3_4b, tiny
   params.py    init_params, param_shapes, check_params
   model.py     forward, hidden_states, loss
-  train.py     AdamW, init_opt_state, opt_state_specs, train_step
+  train.py     AdamW, init_opt_state, opt_state_specs, train_step, compute_params
   generate.py  generate, prefill, decode_step, decode, sample, Sampling, empty_cache,
                PagedCache (the paged KV cache), resolve_cache, shard_cache,
                cache_shardings
@@ -27,7 +27,8 @@ from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
 from jaxgpu.models.gemma.quantize import quantize_params
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
                                           shard_batch, shard_params)
-from jaxgpu.models.gemma.train import AdamW, init_opt_state, opt_state_specs, train_step
+from jaxgpu.models.gemma.train import (AdamW, compute_params, init_opt_state, opt_state_specs,
+                                       train_step)
 
 __all__ = [
     "AdamW",
@@ -38,6 +39,7 @@ __all__ = [
     "batch_sharding",
     "cache_shardings",
     "check_params",
+    "compute_params",
     "config_from_hf",
     "decode",
     "decode_step",

@@ -82,7 +82,9 @@ def _init(config: Config, key, dtype):
 
 def check_params(params, config: Config) -> None:
   """Raises ValueError naming the first parameter whose presence, shape or dtype is wrong
-  (every leaf must have the dtype of params["embed"])."""
+  (every leaf must have the dtype of params["embed"]; norm weights may also be float32,
+  which the norms take beside 16-bit activations: float32 master weights cast for compute
+  by train.compute_params)."""
   if not isinstance(params, dict) or "embed" not in params:
     raise ValueError("params: expected a dict with 'embed', 'final_norm' and 'layers'")
   dtype = params["embed"].dtype
@@ -107,7 +109,7 @@ def check_params(params, config: Config) -> None:
       return
     if tuple(a.shape) != shape:
       raise ValueError(f"params{path}: expected shape {shape}, got {tuple(a.shape)}")
-    if a.dtype != dtype:
+    if a.dtype != dtype and not (len(shape) == 1 and a.dtype == jnp.float32):
       raise ValueError(f"params{path}: expected dtype {dtype} (that of params['embed']), "
                        f"got {a.dtype}")
 

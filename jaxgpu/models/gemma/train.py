@@ -95,6 +95,24 @@ def adamw_update(params, grads, opt_state, optimizer: AdamW):
   return new_params, {"step": step + 1, "mu": mu, "nu": nu}, {"grad_norm": norm, "lr": lr}
 
 
+def compute_params(params, compute_dtype=None):
+  """The parameters as the forward and backward passes use them.
+
+  compute_dtype None: as they are. Otherwise (float32 master parameters, bfloat16 compute):
+  every matrix and the embedding cast to compute_dtype at use, and the norm weights (the
+  vectors) left as they are: jaxgpu's norms take float32 scales beside 16-bit activations,
+  so their gradients are summed and returned in float32, never rounded to 16 bits. The
+  activations take the embedding's dtype, compute_dtype. Gradients flow back through the
+  casts into the parameters' dtype.
+  """
+  if compute_dtype is None:
+    return params
+  dtype = jnp.dtype(compute_dtype)
+  if not jnp.issubdtype(dtype, jnp.floating):
+    raise ValueError(f"compute_dtype: expected a float dtype, got {dtype}")
+  return jax.tree.map(lambda p: p.astype(dtype) if p.ndim >= 2 else p, params)
+
+
 def _check_batch(batch):
   if not isinstance(batch, dict) or "tokens" not in batch or "targets" not in batch:
     raise ValueError("batch: expected a dict with 'tokens' and 'targets' (and optionally "
@@ -105,9 +123,11 @@ def _check_batch(batch):
 
 
 @functools.partial(jax.jit, static_argnames=("config", "optimizer", "implementation", "mesh",
-                                             "remat", "fsdp"), donate_argnums=(0, 1))
+                                             "remat", "fsdp", "compute_dtype"),
+                   donate_argnums=(0, 1))
 def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = AdamW(),
-               implementation=None, mesh=None, remat: bool = False, fsdp: bool = False):
+               implementation=None, mesh=None, remat: bool = False, fsdp: bool = False,
+               compute_dtype=None):
   """One training step: loss, gradients, AdamW. Jitted; params and opt_state are donated
   (their buffers are reused for the new ones: do not use the arguments afterwards).
 
@@ -125,6 +145,11 @@ def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = A
     remat: recompute each layer's activations in the backward pass (static).
     fsdp: fully sharded data parallelism (static): parameters, gradients and moments also
       split over "data" (sharding.py; place them with shard_params(..., fsdp=True)).
+    compute_dtype: None (compute in the parameters' dtype), or e.g. jnp.bfloat16 with
+      float32 parameters (static): mixed precision with float32 master weights. The
+      parameters, their gradients and the AdamW moments stay float32; the forward and
+      backward passes run in compute_dtype, the matrices cast at use and the norm weights
+      given to the norms as float32 (compute_params).
 
   Returns:
     (params, opt_state, {"loss": float32 loss before the update, "grad_norm": the global
@@ -136,9 +161,10 @@ def train_step(params, opt_state, batch, *, config: Config, optimizer: AdamW = A
   params = sharding.constrain_tree(params, specs, mesh)
 
   def objective(p):
-    return model_loss(p, config, batch["tokens"], batch["targets"], mask=batch.get("mask"),
-                      positions=batch.get("positions"), segment_ids=batch.get("segment_ids"),
-                      implementation=implementation, mesh=mesh, remat=remat)
+    return model_loss(compute_params(p, compute_dtype), config, batch["tokens"],
+                      batch["targets"], mask=batch.get("mask"), positions=batch.get("positions"),
+                      segment_ids=batch.get("segment_ids"), implementation=implementation,
+                      mesh=mesh, remat=remat)
 
   value, grads = jax.value_and_grad(objective)(params)
   grads = sharding.constrain_tree(grads, specs, mesh)
