@@ -3,6 +3,8 @@
     python3 benchmarks/bench_attention.py                 # GPU: writes results/
     python3 benchmarks/bench_attention.py --out $OUT      # also writes $OUT/<gpu>.json, RESULTS.md
     python3 benchmarks/bench_attention.py --quick --no-write   # CPU smoke test: cpu vs xla
+    python3 benchmarks/bench_attention.py --extras [--out $OUT]  # only the jax.nn-argument
+                                                  # cases below (family attention_extras)
 
 Implementations, timed in the same run on the same inputs (bf16, B*T = 16k tokens):
   cuda    jaxgpu.dot_product_attention (the kernels; 'cpu' on a CPU)
@@ -17,6 +19,21 @@ results JSON: it never costs the others their figures.
 
 FLOPs (docs/design.md section 6): 4*B*T*S*N*H for the forward pass, halved under the causal
 mask; the backward pass counts 2.5x the forward, so forward+backward is 3.5x.
+
+The --extras cases (a family of their own, "attention_extras", so that running them alone
+replaces no other figure), jax.nn's arguments, bf16, H = 128, N = 16:
+  padded    a padded batch (B = 8, T = S = 4096, causal), half its rows at half length:
+            cuda       query_seq_lengths / key_value_seq_lengths (tiles past them skipped)
+            cuda-full  the same batch without lengths (every row at full length)
+            cuda-valid the valid tokens alone: 4 rows at 4096 and 4 at 2048, two calls
+                       (plus the slices of the inputs, ~0.1 GB of copies)
+            cudnn      jax.nn with the same lengths (the anchor)
+            TFLOP/s count the valid tokens' work only, for every implementation.
+  bias      an ALiBi bias (1, N, T, S) bf16 (B = 8, T = S = 2048, non-causal), constant
+            (no dbias); bias+mask adds a (B, 1, T, S) bool mask keeping ~90%; bias-grad
+            differentiates the bias too (a learned relative bias: dbias (1, N, T, S) from
+            atomics over B). cuda vs cudnn (jax.nn's bias / mask) vs xla. FLOPs as the
+            plain non-causal case.
 
 Targets (on the H100): forward >= 360 and forward+backward >= 300 TFLOP/s at H = 128,
 T >= 4k. The 'attn+options' case (logit softcap, a local window and segment ids: cuDNN
@@ -266,5 +283,170 @@ def run(bench: harness.Bench) -> None:
             del arg_sets, fns
 
 
+# ---- the --extras cases: bias, mask and sequence lengths ------------------------------------
+
+EXTRAS_FAMILY = "attention_extras"
+
+
+@dataclasses.dataclass(frozen=True)
+class ExtraCase:
+    op: str          # padded, bias, bias+mask, bias-grad
+    b: int
+    t: int           # T = S
+    n: int = 16
+    h: int = 128
+    causal: bool = False
+
+    def label(self) -> str:
+        return f"b{self.b}t{self.t}n{self.n}h{self.h}" + ("-causal" if self.causal else "")
+
+    def lengths(self):
+        """Per-row lengths of the padded case: the second half of the rows at T / 2."""
+        return [self.t] * (self.b - self.b // 2) + [self.t // 2] * (self.b // 2)
+
+    def flops(self, pass_: str) -> float:
+        rows = self.lengths() if self.op == "padded" else [self.t] * self.b
+        return sum(attention_flops(1, t, self.n, self.h, self.causal, pass_) for t in rows)
+
+
+EXTRA_CASES = [ExtraCase("padded", 8, 4096, causal=True), ExtraCase("bias", 8, 2048),
+               ExtraCase("bias+mask", 8, 2048), ExtraCase("bias-grad", 8, 2048)]
+QUICK_EXTRA_CASES = [ExtraCase("padded", 4, 64, 2, 32, True), ExtraCase("bias", 2, 64, 2, 32),
+                     ExtraCase("bias+mask", 2, 64, 2, 32), ExtraCase("bias-grad", 2, 64, 2, 32)]
+
+
+def extra_inputs(key, case: ExtraCase, dtype, pass_: str):
+    """(q, k, v, bias, mask, q_lengths, kv_lengths[, do]); absent ones are None."""
+    import jax
+    import jax.numpy as jnp
+
+    kq, kk, kv, kd, km = jax.random.split(key, 5)
+    shape = (case.b, case.t, case.n, case.h)
+    q, k, v = (inputs.random_array(x, shape, dtype) for x in (kq, kk, kv))
+    bias = mask = ql = kvl = None
+    if case.op == "padded":
+        ql = kvl = jnp.asarray(case.lengths(), jnp.int32)
+    else:
+        # ALiBi: head n's slope 2^(-8 (n + 1) / N) times -|i - j|.
+        slopes = 2.0 ** (-8.0 * jnp.arange(1, case.n + 1) / case.n)
+        dist = jnp.abs(jnp.arange(case.t)[:, None] - jnp.arange(case.t)[None, :])
+        bias = (-slopes[:, None, None] * dist)[None].astype(dtype)
+        # Every random set gets its own bias (inputs past L2): a small random shift.
+        bias = bias + inputs.random_array(kd, (1, case.n, 1, 1), dtype, scale=0.01)
+    if case.op == "bias+mask":
+        mask = jax.random.uniform(km, (case.b, 1, case.t, case.t)) < 0.9
+    args = (q, k, v, bias, mask, ql, kvl)
+    return args + (inputs.random_array(kd, shape, dtype),) if pass_ != "fwd" else args
+
+
+def extra_fn(impl: str, case: ExtraCase):
+    """(q, k, v, bias, mask, ql, kvl) -> o for one implementation."""
+    import jax
+
+    import jaxgpu
+
+    kernel = impl.split("-")[0]  # cuda or cpu
+    if impl.endswith("-full"):
+        return lambda q, k, v, bias, mask, ql, kvl: jaxgpu.dot_product_attention(
+            q, k, v, is_causal=case.causal, implementation=kernel)
+    if impl.endswith("-valid"):
+        full, half = case.b - case.b // 2, case.t // 2
+
+        def valid(q, k, v, bias, mask, ql, kvl):
+            a = jaxgpu.dot_product_attention(q[:full], k[:full], v[:full],
+                                             is_causal=case.causal, implementation=kernel)
+            b = jaxgpu.dot_product_attention(q[full:, :half], k[full:, :half], v[full:, :half],
+                                             is_causal=case.causal, implementation=kernel)
+            return a, b
+        return valid
+    if impl in ("cuda", "cpu"):
+        return lambda q, k, v, bias, mask, ql, kvl: jaxgpu.dot_product_attention(
+            q, k, v, bias, mask, is_causal=case.causal, query_seq_lengths=ql,
+            key_value_seq_lengths=kvl, implementation=impl)
+    if impl in ("cudnn", "xla"):
+        def nn(q, k, v, bias, mask, ql, kvl):
+            return jax.nn.dot_product_attention(q, k, v, bias, mask, is_causal=case.causal,
+                                                query_seq_lengths=ql,
+                                                key_value_seq_lengths=kvl, implementation=impl)
+        return nn
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def make_extra(impl: str, case: ExtraCase, pass_: str):
+    """Jitted forward, or forward + backward through jax.vjp (q, k, v, and the bias in the
+    bias-grad case) with a random cotangent."""
+    import jax
+
+    fn = extra_fn(impl, case)
+    if pass_ == "fwd":
+        return jax.jit(fn)
+
+    def step(q, k, v, bias, mask, ql, kvl, do):
+        if case.op == "bias-grad":
+            o, vjp = jax.vjp(lambda q, k, v, bias: fn(q, k, v, bias, mask, ql, kvl), q, k, v,
+                             bias)
+        else:
+            o, vjp = jax.vjp(lambda q, k, v: fn(q, k, v, bias, mask, ql, kvl), q, k, v)
+        if isinstance(o, tuple):  # the valid-tokens pair: the cotangent of each part
+            full, half = case.b - case.b // 2, case.t // 2
+            return o, vjp((do[:full], do[full:, :half]))
+        return o, vjp(do)
+
+    return jax.jit(step)
+
+
+def run_extras(bench: harness.Bench) -> None:
+    import jax
+    import jax.numpy as jnp
+
+    kernel = "cuda" if bench.on_gpu else "cpu"
+    if not bench.args.repeats and not bench.quick:
+        bench.config.repeats = 5
+    dtype = jnp.dtype(DTYPE)
+    key = jax.random.PRNGKey(1)
+    for case in QUICK_EXTRA_CASES if bench.quick else EXTRA_CASES:
+        if case.op == "padded":
+            impls = (kernel, f"{kernel}-full", f"{kernel}-valid", ANCHOR)
+        else:
+            impls = (kernel, ANCHOR, "xla")
+        for pass_ in ("fwd", "fwd+bwd"):
+            key, sub = jax.random.split(key)
+            one = functools.partial(extra_inputs, case=case, dtype=dtype, pass_=pass_)
+            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
+            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
+                                             max_copies=2 if bench.quick else None)
+            what = f"{case.op} {case.label()} {pass_}"
+            fns = {}
+            for impl in impls:
+                if impl == ANCHOR and not bench.on_gpu:
+                    _skip_extra(bench, what, impl, "cuDNN needs a GPU")
+                    continue
+                fns[impl] = make_extra(impl, case, pass_)
+            fns = bench.runnable(what, fns, arg_sets[0])
+            if not fns:
+                continue
+            recs = bench.run_case(op=case.op, case=case.label(), pass_=pass_,
+                                  shape=(case.b, case.t, case.n, case.h), dtype=dtype, fns=fns,
+                                  arg_sets=arg_sets, anchor=ANCHOR if ANCHOR in fns else None,
+                                  flops=case.flops(pass_))
+            for r in recs:
+                print(f"  {case.op:<10} {case.label():<24} {pass_:<8} {r.implementation:<10} "
+                      f"{r.time_us:10.1f} us {record.fmt(r.tflops, '7.1f')} TFLOP/s "
+                      f"{record.fmt(r.vs_anchor, '.2f')}x {ANCHOR}", flush=True)
+            del arg_sets, fns
+
+
+def _skip_extra(bench: harness.Bench, what: str, impl: str, why: str) -> None:
+    bench.skip(f"{what} {impl}", why)
+
+
+def _extend(parser) -> None:
+    parser.add_argument("--extras", action="store_true",
+                        help="run only the bias / mask / sequence-length cases (family "
+                             f"{EXTRAS_FAMILY})")
+
+
 if __name__ == "__main__":
-    sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0]))
+    extras = "--extras" in sys.argv[1:]
+    sys.exit(harness.main(EXTRAS_FAMILY if extras else FAMILY, run_extras if extras else run,
+                          description=__doc__.splitlines()[0], extend_parser=_extend))

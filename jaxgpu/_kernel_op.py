@@ -274,6 +274,17 @@ def _batchable(local_fn: LocalFn, layout: Layout, partial: PartialBody | None = 
   def _vmap_rule(axis_size, in_batched, *args):
     folded = _fold_batch_into_groups(axis_size, in_batched, args, layout)
     outs = grouped_call(local_fn, layout, *folded, partial=partial)
+    if any(o.shape[0] % axis_size for o in outs):
+      # A "[g]" output of a shared, unbatched (1, ...) parameter (the gradient of a bias
+      # that broadcasts over the groups) sums over every folded group, where each example
+      # needs its own: one call per example instead.
+      def one(batched):
+        it = iter(batched)
+        return grouped_call(local_fn, layout, *(next(it) if b else a
+                                                for a, b in zip(args, in_batched)),
+                            partial=partial)
+      outs = jax.lax.map(one, [a for a, b in zip(args, in_batched) if b])
+      return tuple(outs), tuple(True for _ in outs)
     outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
     return outs, tuple(True for _ in outs)
 

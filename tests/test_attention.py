@@ -21,6 +21,7 @@ GPU sizes (test_matrix_gpu: the CUDA kernels on every case, the pure-JAX referen
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import itertools
 import math
@@ -37,7 +38,7 @@ import oracle
 from conftest import HAS_CUDA
 from specs import SPECS
 from specs.attention import (GRAD_ULPS, Case, Opts, jnp_attention, make_qkv, make_segments,
-                             np_attention, np_keep)
+                             np_attention, np_extra_keep, np_keep)
 
 LOWP_DTYPES = (jnp.bfloat16, jnp.float16)
 HEAD_DIMS = (32, 59, 64, 96, 111, 128, 256)
@@ -440,7 +441,13 @@ def _target(pass_):
   return SPECS["dot_product_attention"].op.target(pass_, "cpu")
 
 
-def _raw_fwd(q5, k, v, segs=None, out=None, **kw):
+def _no_extras():
+  """The bias, mask and lengths operands, all absent."""
+  empty = jnp.zeros((0,), jnp.int32)
+  return (jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.bool_), empty, empty)
+
+
+def _raw_fwd(q5, k, v, segs=None, out=None, extras=None, **kw):
   if out is None:
     b, t, kh, r, _ = q5.shape
     out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype),
@@ -448,18 +455,21 @@ def _raw_fwd(q5, k, v, segs=None, out=None, **kw):
   empty = jnp.zeros((0,), jnp.int32)
   segs = (empty, empty) if segs is None else segs
   return jax.ffi.ffi_call(_target("fwd"), out)(
-      q5, k, v, *segs, **_attrs(**kw))
+      q5, k, v, *segs, *(_no_extras() if extras is None else extras), **_attrs(**kw))
 
 
-def _raw_bwd(q5, k, v, o, lse, do, segs=None, out=None, **kw):
-  """segs: (q_segment_ids, kv_segment_ids, segment_uniform), or None (all three empty)."""
+def _raw_bwd(q5, k, v, o, lse, do, segs=None, out=None, extras=None, dbias=(0,), **kw):
+  """segs: (q_segment_ids, kv_segment_ids, segment_uniform), or None (all three empty);
+  extras: (bias, mask, q_lengths, kv_lengths) or None (all absent); dbias: its shape."""
   if out is None:
     out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
+           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+           jax.ShapeDtypeStruct(dbias, jnp.float32))
   empty = jnp.zeros((0,), jnp.int32)
   segs = (empty, empty, empty) if segs is None else segs
   return jax.ffi.ffi_call(_target("bwd"), out)(
-      q5, k, v, o, lse, do, *segs, **_attrs(**kw))
+      q5, k, v, o, lse, do, *segs, *(_no_extras() if extras is None else extras),
+      **_attrs(**kw))
 
 
 def _needs_cpu():
@@ -479,8 +489,8 @@ def test_cpu_kernel_any_head_dim(h, rng):
   q5 = q.reshape(2, 13, 2, 2, h)
   attrs = dict(scale=np.float32(0.3), softcap=np.float32(3.0), causal=True)
   o, lse = jax.jit(lambda *a: _raw_fwd(*a, **attrs))(q5, k, v)
-  dq, dk, dv, delta = jax.jit(lambda *a: _raw_bwd(*a, **attrs))(q5, k, v, o, lse,
-                                                                do.reshape(q5.shape))
+  dq, dk, dv, delta, _ = jax.jit(lambda *a: _raw_bwd(*a, **attrs))(q5, k, v, o, lse,
+                                                                   do.reshape(q5.shape))
   o64, (dq64, dk64, dv64) = np_attention(case, q, k, v, do=do)
   tol = dict(rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(o).reshape(o64.shape), o64, **tol)
@@ -501,6 +511,19 @@ def test_cpu_kernel_any_head_dim(h, rng):
 
 _Q5 = lambda: jnp.ones((1, 4, 2, 2, 8), jnp.float32)
 _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
+
+
+def _extras(bias=None, mask=None, lengths=None, bias_dtype=jnp.float32, mask_dtype=jnp.bool_,
+            lengths_dtype=jnp.int32):
+  """Bias, mask and lengths operands of the given shapes (None: absent)."""
+  b, m, ql, kl = _no_extras()
+  if bias is not None:
+    b = jnp.zeros(bias, bias_dtype)
+  if mask is not None:
+    m = jnp.ones(mask, mask_dtype)
+  if lengths is not None:
+    ql, kl = jnp.ones((lengths[0],), lengths_dtype), jnp.ones((lengths[1],), lengths_dtype)
+  return b, m, ql, kl
 
 
 @pytest.mark.parametrize("build,match", [
@@ -535,7 +558,8 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
                       out=(jax.ShapeDtypeStruct((1, 4, 2, 2, 8), jnp.float32),
                            jax.ShapeDtypeStruct((1, 6, 2, 4), jnp.float32),
                            jax.ShapeDtypeStruct((1, 6, 2, 8), jnp.float32),
-                           jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.float32))), "dk: expected"),
+                           jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.float32),
+                           jax.ShapeDtypeStruct((0,), jnp.float32))), "dk: expected"),
     (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 3)), _Q5()),
      "lse: expected"),
     (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)),
@@ -554,12 +578,404 @@ _KV4 = lambda: jnp.ones((1, 6, 2, 8), jnp.float32)
                       segs=(jnp.zeros((0,), jnp.int32), jnp.zeros((0,), jnp.int32),
                             jnp.zeros((1,), jnp.int32))),
      "segment_uniform: must be empty"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(bias=(1, 2, 2, 3, 6)),
+                      has_bias=True), "bias: dim 3 is 3, expected 1 or 4"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(bias=(2, 4, 6)), has_bias=True),
+     "bias: expected rank 5"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(bias=(1, 1, 1, 4, 6),
+                                                            bias_dtype=jnp.bfloat16),
+                      has_bias=True), "bias: dtype must be float32 or the dtype of q"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(bias=(1, 1, 1, 4, 6))),
+     "bias: must be empty"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(mask=(1, 2, 2, 4, 5)),
+                      has_mask=True), "mask: dim 4 is 5"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(mask=(1, 1, 1, 4, 6),
+                                                            mask_dtype=jnp.int32),
+                      has_mask=True), "mask: dtype must be bool"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(lengths=(2, 1)), has_lengths=True),
+     "q_lengths: expected 1 elements"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(lengths=(1, 1),
+                                                            lengths_dtype=jnp.float32),
+                      has_lengths=True), "q_lengths: unexpected element type"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), extras=_extras(lengths=(1, 1))),
+     "must be empty when has_lengths is false"),
+    (lambda: _raw_fwd(_Q5(), _KV4(), _KV4(), has_dbias=True, has_bias=True,
+                      extras=_extras(bias=(1, 1, 1, 4, 6))), "has_dbias: backward only"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      extras=_extras(bias=(1, 1, 1, 4, 6)), dbias=(1, 1, 1, 4, 5),
+                      has_bias=True, has_dbias=True), "dbias: expected 24 elements"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      dbias=(1, 1, 1, 4, 6), has_dbias=True), "has_dbias: needs has_bias"),
 ], ids=["q-rank", "k-shape", "v-shape", "v-dtype", "lse-shape", "o-dtype", "softcap", "scale",
         "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count",
         "bwd-lse", "do-dtype", "head-dim", "uniform-shape", "uniform-dtype",
-        "uniform-not-empty"])
+        "uniform-not-empty", "bias-dim", "bias-rank", "bias-dtype", "bias-not-empty",
+        "mask-dim", "mask-dtype", "lengths-shape", "lengths-dtype", "lengths-not-empty",
+        "dbias-fwd", "dbias-count", "dbias-without-bias"])
 def test_handler_rejects_bad_buffers(build, match):
   _needs_cpu()
   with jax.default_device(jax.devices("cpu")[0]):
     with pytest.raises(Exception, match=match):
       jax.block_until_ready(jax.jit(build)())
+
+
+# ---- bias, mask and sequence lengths (jax.nn's arguments) -----------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Extra:
+  """A bias / mask / lengths case: the shapes of bias and mask as given (None: absent,
+  'full': (B, N, T, S)), the lengths' kind (None, 'q', 'kv', 'both'), the bias dtype (None:
+  query's), and whether the inputs are rank 3 (no batch axis)."""
+  bias: tuple | str | None = None
+  mask: tuple | str | None = None
+  lengths: str | None = None
+  bias_dtype: object = None
+  rank3: bool = False
+
+  def id(self) -> str:
+    def shape(x):
+      return x if isinstance(x, str) else "x".join(map(str, x))
+    parts = []
+    if self.bias is not None:
+      parts.append("bias" + shape(self.bias))
+    if self.bias_dtype is not None:
+      parts.append(jnp.dtype(self.bias_dtype).name)
+    if self.mask is not None:
+      parts.append("mask" + shape(self.mask))
+    if self.lengths:
+      parts.append("len-" + self.lengths)
+    if self.rank3:
+      parts.append("rank3")
+    return "-".join(parts)
+
+
+def _shape(spec, case: Case):
+  full = (case.b, case.n, case.t, case.s)
+  if spec == "full":
+    return full
+  return tuple(spec)
+
+
+def make_extras(rng, case: Case, ex: Extra):
+  """(bias, mask, q_lengths, kv_lengths), each None where absent. Lengths include a row of
+  length 0 (both sides), the mask keeps ~80% of the logits, the bias spreads over a unit."""
+  bias = mask = ql = kvl = None
+  if ex.bias is not None:
+    bias = oracle.randn(rng, _shape(ex.bias, case), ex.bias_dtype or case.dtype)
+  if ex.mask is not None:
+    mask = jnp.asarray(rng.random(_shape(ex.mask, case)) < 0.8)
+  if ex.lengths:
+    q_len = rng.integers(1, case.t + 1, case.b)
+    kv_len = rng.integers(1, case.s + 1, case.b)
+    if case.b > 1:
+      q_len[-1] = 0 if ex.lengths in ("q", "both") else q_len[-1]
+      kv_len[0] = 0 if ex.lengths in ("kv", "both") else kv_len[0]
+    ql = jnp.asarray(q_len, jnp.int32) if ex.lengths in ("q", "both") else None
+    kvl = jnp.asarray(kv_len, jnp.int32) if ex.lengths in ("kv", "both") else None
+  return bias, mask, ql, kvl
+
+
+def run_extras(case: Case, ex: Extra, implementation, rng):
+  """Forward and gradients (dq, dk, dv, and dbias when there is a bias) with a bias, mask
+  and lengths, against np_attention in float64 under the 2x rule."""
+  q, k, v = make_qkv(rng, case)
+  segs = make_segments(rng, case)
+  bias, mask, ql, kvl = make_extras(rng, case, ex)
+  do = oracle.randn(rng, case.q_shape, case.dtype)
+  opts = case.opts
+  keep = np_extra_keep(case.t, case.s, None if mask is None else np.asarray(mask),
+                       None if ql is None else np.asarray(ql),
+                       None if kvl is None else np.asarray(kvl))
+
+  def op(q, k, v, bias, segs):
+    args = (q, k, v)
+    seg_kw = dict(zip(("q_segment_ids", "kv_segment_ids"), segs))
+    if ex.rank3:  # B = 1 without the axis; bias and mask already broadcast to (N, T, S)
+      args = tuple(a[0] for a in args)
+      seg_kw = {name: ids[0] for name, ids in seg_kw.items()}
+    o = jaxgpu.dot_product_attention(
+        *args, bias, mask, query_seq_lengths=ql, key_value_seq_lengths=kvl,
+        implementation=implementation, **seg_kw, **opts.kw())
+    return o[None] if ex.rank3 else o
+
+  def lowp(q, k, v, bias, segs):
+    return jnp_attention(opts, q, k, v, *segs, bias=bias,
+                         extra_keep=None if keep is None else jnp.asarray(keep))
+
+  def grads_of(fn):
+    argnums = (0, 1, 2, 3) if bias is not None else (0, 1, 2)
+    return jax.jit(jax.grad(
+        lambda q, k, v, bias: jnp.sum(fn(q, k, v, bias, segs).astype(jnp.float32)
+                                      * do.astype(jnp.float32)), argnums=argnums))(q, k, v, bias)
+
+  o = jax.jit(op)(q, k, v, bias, segs)
+  assert o.shape == case.q_shape and o.dtype == case.dtype
+  o64, g64, extra = np_attention(case, q, k, v, *segs, do=do, o_residual=o, bias=bias,
+                                 keep=keep)
+  oracle.check(o, o64, jax.jit(lowp)(q, k, v, bias, segs), what="o", dtype=case.dtype)
+  got, ref = grads_of(op), grads_of(lowp)
+  for name, g, exact, r, a, primal in zip(("dq", "dk", "dv", "dbias"), got, g64, ref, extra,
+                                          (q, k, v, bias)):
+    assert g.shape == primal.shape and g.dtype == primal.dtype, (name, g.shape, g.dtype)
+    oracle.check(g, exact, r, what=name, dtype=case.dtype, atol_ulps=GRAD_ULPS, extra_atol=a)
+  if ql is not None:  # rows past a query length: zeros, and zero dq
+    for b, n in enumerate(np.asarray(ql)):
+      assert not np.asarray(o[b, n:], np.float32).any()
+      assert not np.asarray(got[0][b, n:], np.float32).any()
+  if kvl is not None:  # keys past a key length: zero dk, dv
+    for b, n in enumerate(np.asarray(kvl)):
+      assert not np.asarray(got[1][b, n:], np.float32).any()
+      assert not np.asarray(got[2][b, n:], np.float32).any()
+  return o, got
+
+
+# (case, extras): the bias and mask broadcast patterns, lengths with rows of length 0, each
+# with another option (causal, window, softcap, segments) and head layout.
+EXTRA_CASES = [
+    (Case(2, 17, 23, 4, 4, 32, jnp.bfloat16, Opts(causal=True)), Extra(bias=(1, 1, 17, 23))),
+    (Case(3, 19, 40, 6, 2, 59, jnp.float16, Opts(window=(5, 3))),
+     Extra(bias=(3, 1, 1, 40), mask=(3, 1, 19, 40))),
+    (Case(2, 24, 17, 3, 1, 111, jnp.bfloat16, Opts(softcap=3.0, segments=True)),
+     Extra(bias="full", mask="full")),
+    (Case(1, 33, 21, 4, 2, 64, jnp.float16, Opts(causal=True, softcap=5.0)),
+     Extra(bias=(4, 33, 21), mask=(33, 21), rank3=True)),
+    (Case(3, 40, 33, 6, 2, 32, jnp.bfloat16, Opts(causal=True)),
+     Extra(bias=(1, 6, 40, 33), lengths="both")),
+    (Case(3, 17, 29, 4, 4, 40, jnp.float16, Opts(window=(8, 0), segments=True)),
+     Extra(mask=(1, 4, 17, 29), lengths="q")),
+    (Case(2, 23, 41, 3, 1, 16, jnp.bfloat16), Extra(lengths="kv")),
+    (Case(2, 30, 30, 4, 2, 24, jnp.bfloat16, Opts(softcap=3.0, scale=0.4)),
+     Extra(bias=(2, 4, 1, 30), bias_dtype=jnp.float32, lengths="both")),
+    (Case(2, 17, 17, 4, 2, 8, jnp.float32, Opts(causal=True)),
+     Extra(bias=(1, 17), mask=(2, 1, 1, 17), lengths="both")),
+]
+
+
+def _extra_params(cases, marks=()):
+  return [pytest.param(c, e, id=f"{c.id()}-{e.id()}", marks=marks) for c, e in cases]
+
+
+@pytest.mark.parametrize("case,ex", _extra_params(EXTRA_CASES))
+def test_bias_mask_lengths(case, ex, implementation, rng):
+  """Forward and gradients (dbias included) with a bias, a mask and sequence lengths, in
+  the broadcast patterns models use, against the float64 oracle."""
+  if implementation == "cuda" and case.dtype == jnp.float32:
+    pytest.skip("float32 runs the reference on a CUDA machine (test_float32)")
+  run_extras(case, ex, implementation, rng)
+
+
+# GPU sizes: tiles of every sm80 kernel in full and in part, lengths ending mid-tile.
+GPU_EXTRA_CASES = [
+    (Case(2, 1023, 1023, 4, 2, 128, jnp.bfloat16, Opts(causal=True)),
+     Extra(bias=(1, 4, 1023, 1023), lengths="both")),
+    (Case(2, 255, 1023, 6, 2, 64, jnp.float16, Opts(softcap=5.0, segments=True)),
+     Extra(bias=(2, 1, 1, 1023), mask=(2, 1, 255, 1023))),
+    (Case(3, 384, 128, 3, 1, 256, jnp.bfloat16, Opts(window=(100, 20))),
+     Extra(bias="full", mask=(1, 3, 384, 128), lengths="q")),
+    (Case(2, 113, 113, 4, 4, 96, jnp.bfloat16, Opts(causal=True, softcap=3.0)),
+     Extra(bias=(4, 113, 113), bias_dtype=jnp.float32, rank3=False, lengths="kv")),
+    (Case(1, 1023, 255, 8, 2, 32, jnp.float16), Extra(mask=(1023, 255), rank3=True)),
+]
+
+
+@pytest.mark.parametrize("case,ex", _extra_params(GPU_EXTRA_CASES, marks=pytest.mark.gpu))
+def test_bias_mask_lengths_gpu(case, ex, rng):
+  """The same at GPU sizes, on the CUDA kernels (the mma_sync main loop)."""
+  if not HAS_CUDA:
+    pytest.skip("needs a CUDA backend")
+  run_extras(case, ex, "cuda", rng)
+
+
+def test_extras_match_jax_nn(implementation, rng):
+  """Where every query row sees a key, the semantics are jax.nn.dot_product_attention's:
+  bias, mask, lengths, GQA, causal, rank 3 and 4."""
+  case = Case(3, 24, 24, 8, 2, 32, jnp.float32)
+  q, k, v = make_qkv(rng, case)
+  bias = oracle.randn(rng, (1, 8, 24, 24), jnp.float32)
+  mask = jnp.asarray(rng.random((3, 1, 24, 24)) < 0.7) | jnp.eye(24, dtype=bool)
+  kw = dict(scale=0.2, is_causal=True, query_seq_lengths=jnp.array([24, 7, 13], jnp.int32),
+            key_value_seq_lengths=jnp.array([24, 24, 20], jnp.int32))
+  lowp = implementation == "cuda"
+  if lowp:
+    q, k, v, bias = (a.astype(jnp.bfloat16) for a in (q, k, v, bias))
+  f32 = [a.astype(jnp.float32) for a in (q, k, v, bias)]
+  tol = 2e-2 if lowp else 2e-5
+  want = jax.nn.dot_product_attention(*f32[:3], f32[3], mask, implementation="xla", **kw)
+  got = jaxgpu.dot_product_attention(q, k, v, bias, mask, implementation=implementation, **kw)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
+  # Rank 3 (no batch axis): batch row 1.
+  kw3 = dict(kw, query_seq_lengths=kw["query_seq_lengths"][1:2],
+             key_value_seq_lengths=kw["key_value_seq_lengths"][1:2])
+  want = jax.nn.dot_product_attention(*(a[1] for a in f32[:3]), f32[3][0], mask[1], **kw3)
+  got = jaxgpu.dot_product_attention(q[1], k[1], v[1], bias[0], mask[1],
+                                     implementation=implementation, **kw3)
+  np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want), rtol=tol, atol=tol)
+  # The gradients too, bias included.
+  def loss(fn, *args):
+    return jnp.sum(fn(*args).astype(jnp.float32) ** 2)
+  gw = jax.grad(functools.partial(loss, lambda *a: jax.nn.dot_product_attention(
+      *a, mask, implementation="xla", **kw)), argnums=(0, 1, 2, 3))(*f32)
+  gg = jax.grad(functools.partial(loss, lambda *a: jaxgpu.dot_product_attention(
+      *a, mask, implementation=implementation, **kw)), argnums=(0, 1, 2, 3))(q, k, v, bias)
+  for a, b in zip(gg, gw):
+    np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b), rtol=tol * 5,
+                               atol=tol * 5)
+
+
+def test_fully_masked_rows_differ_from_jax_nn(implementation, rng):
+  """A row that sees nothing (mask all False, a key length of 0): zeros and zero gradients
+  here; jax.nn outputs the mean of the values (its masks are a large negative logit)."""
+  case = Case(2, 9, 11, 2, 2, 16, jnp.float32 if implementation != "cuda" else jnp.bfloat16)
+  q, k, v = make_qkv(rng, case)
+  mask = np.ones((2, 1, 9, 11), bool)
+  mask[0, :, 3] = False
+  kvl = jnp.array([11, 0], jnp.int32)
+  f = lambda q: jaxgpu.dot_product_attention(q, k, v, mask=jnp.asarray(mask),
+                                             key_value_seq_lengths=kvl,
+                                             implementation=implementation)
+  o = np.asarray(f(q), np.float32)
+  assert not o[0, 3].any() and not o[1].any()
+  dq = np.asarray(jax.grad(lambda q: jnp.sum(f(q).astype(jnp.float32) ** 2 + f(q).astype(
+      jnp.float32)))(q), np.float32)
+  assert not dq[0, 3].any() and not dq[1].any()
+  nn = np.asarray(jax.nn.dot_product_attention(*(a.astype(jnp.float32) for a in (q, k, v)),
+                                               mask=jnp.asarray(mask)))
+  np.testing.assert_allclose(nn[0, 3], np.asarray(v[0], np.float32).mean(0), rtol=1e-2,
+                             atol=1e-2)
+
+
+def test_traced_lengths_are_clamped(implementation, rng):
+  """Lengths traced under jit are not checked at trace time: values past T / S read
+  nothing out of bounds (as T / S), negative ones as 0."""
+  case = Case(2, 17, 19, 2, 2, 16, jnp.bfloat16)
+  q, k, v = make_qkv(rng, case)
+  f = jax.jit(lambda ql, kvl: jaxgpu.dot_product_attention(
+      q, k, v, query_seq_lengths=ql, key_value_seq_lengths=kvl, implementation=implementation))
+  got = f(jnp.array([1000, -5], jnp.int32), jnp.array([10 ** 6, 19], jnp.int32))
+  want = f(jnp.array([17, 0], jnp.int32), jnp.array([19, 19], jnp.int32))
+  np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+  assert not np.asarray(got[1], np.float32).any()
+
+
+def test_bias_not_differentiated_skips_dbias(implementation, rng):
+  """The backward computes dbias only when the bias is differentiated: a constant bias
+  lowers no dbias output, a differentiated one does (its accumulator is float32)."""
+  if implementation == "xla":
+    pytest.skip("no kernel")
+  case = Case(2, 9, 9, 2, 2, 16, jnp.bfloat16)
+  q, k, v = make_qkv(rng, case)
+  bias = oracle.randn(rng, (1, 2, 9, 9), jnp.bfloat16)
+
+  def grad_text(argnums):
+    f = lambda q, bias: jnp.sum(jaxgpu.dot_product_attention(
+        q, k, v, bias, implementation=implementation).astype(jnp.float32))
+    return jax.jit(jax.grad(f, argnums=argnums)).lower(q, bias).as_text()
+
+  assert "has_dbias = false" in grad_text(0)
+  assert "has_dbias = true" in grad_text((0, 1))
+
+
+def test_extras_vmap(implementation, rng):
+  """vmap with a bias and a mask shared by every example or batched, lengths batched;
+  vmap of grad with the bias's gradient per example."""
+  case = Case(2, 17, 13, 4, 2, 16, jnp.bfloat16, Opts(causal=True))
+  q, k, v = (jnp.stack([a, a * 0.5]) for a in make_qkv(rng, case))
+  bias = oracle.randn(rng, (2, 1, 4, 17, 13), jnp.bfloat16)
+  mask = jnp.asarray(rng.random((1, 17, 13)) < 0.8)
+  ql = jnp.array([[17, 5], [3, 17]], jnp.int32)
+
+  def f(q, k, v, bias, ql):
+    return jaxgpu.dot_product_attention(q, k, v, bias, mask, is_causal=True,
+                                        query_seq_lengths=ql, implementation=implementation)
+
+  for in_axes in ((0, 0, 0, 0, 0), (0, None, None, None, 0), (None, 0, 0, 0, None)):
+    args = [a if ax is None else a for a, ax in zip((q, k, v, bias, ql), in_axes)]
+    args = [a[0] if ax is None else a for a, ax in zip(args, in_axes)]
+    got = jax.vmap(f, in_axes=in_axes)(*args)
+    want = jnp.stack([f(*(a if ax is None else a[i] for a, ax in zip(args, in_axes)))
+                      for i in range(2)])
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    # vmap of grad: per-example gradients of q and of the bias (shared or batched).
+    loss = lambda *a: jnp.sum(f(*a).astype(jnp.float32) ** 2)
+    got = jax.vmap(jax.grad(loss, argnums=(0, 3)), in_axes=in_axes)(*args)
+    want = [jax.grad(loss, argnums=(0, 3))(*(a if ax is None else a[i]
+                                             for a, ax in zip(args, in_axes)))
+            for i in range(2)]
+    for j in range(2):
+      np.testing.assert_allclose(np.asarray(got[j], np.float32),
+                                 np.stack([np.asarray(w[j], np.float32) for w in want]),
+                                 rtol=1e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("layout", ["batch", "heads"])
+def test_extras_sharded(layout, cpu_devices, rng):
+  """jit with q, k, v and the bias and mask sharded with the batch (a (B, 1, T, S) bias) or
+  the heads (a (1, N, T, S) bias), lengths with the batch: the results of an unsharded run,
+  and no collective in the forward or the backward (dbias included)."""
+  if "cpu" not in jaxgpu.available_implementations():
+    pytest.skip("no CPU module")
+  mesh = jax.sharding.Mesh(np.array(cpu_devices).reshape(4, 2), ("a", "b"))
+  case = Case(8, 16, 16, 4, 2, 16, jnp.bfloat16, Opts(causal=True))
+  q, k, v = make_qkv(rng, case)
+  if layout == "batch":
+    bias = oracle.randn(rng, (8, 1, 16, 16), jnp.bfloat16)
+    mask = jnp.asarray(rng.random((8, 1, 16, 16)) < 0.8)
+    qs = kvs = bs = P(("a", "b"))
+    ls = P(("a", "b"))
+  else:
+    bias = oracle.randn(rng, (1, 4, 16, 16), jnp.bfloat16)
+    mask = jnp.asarray(rng.random((1, 4, 16, 16)) < 0.8)
+    qs, kvs, bs, ls = P("a", None, "b"), P("a", None, "b"), P(None, "b"), P("a")
+  ql = jnp.asarray(rng.integers(0, 17, 8), jnp.int32)
+
+  def f(q, k, v, bias, mask, ql):
+    return jaxgpu.dot_product_attention(q, k, v, bias, mask, is_causal=True,
+                                        query_seq_lengths=ql, implementation="cpu")
+
+  def loss(*a):
+    return jnp.sum(f(*a).astype(jnp.float32) ** 2)
+
+  put = lambda a, s: jax.device_put(a, NamedSharding(mesh, s))
+  args = (put(q, qs), put(k, kvs), put(v, kvs), put(bias, bs), put(mask, bs), put(ql, ls))
+  cpu = jax.devices("cpu")[0]
+  local = [jax.device_put(a, cpu) for a in (q, k, v, bias, mask, ql)]
+  for fn in (f, jax.grad(loss, argnums=(0, 1, 2, 3))):
+    compiled = jax.jit(fn).lower(*args).compile()
+    assert not oracle.collectives(compiled.as_text()), oracle.collectives(compiled.as_text())
+    got = jax.tree.leaves(compiled(*args))
+    want = jax.tree.leaves(jax.jit(fn)(*local))
+    for g, w in zip(got, want):
+      np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+
+
+@pytest.mark.parametrize("kw,exc,match", [
+    (dict(bias=jnp.zeros((2, 3, 5, 7))), ValueError, r"bias of shape \(2, 3, 5, 7\) is not "
+     r"broadcastable to \(B, N, T, S\) = \(2, 4, 5, 7\)"),
+    (dict(bias=jnp.zeros((1, 2, 4, 5, 7))), ValueError, r"bias.*rank <= 4"),
+    (dict(bias=jnp.zeros((5, 7), jnp.int32)), TypeError, r"bias must have a floating dtype"),
+    (dict(mask=jnp.ones((5, 7), jnp.float32)), TypeError, r"mask must have bool dtype"),
+    (dict(mask=jnp.ones((5, 6), bool)), ValueError, r"mask of shape \(5, 6\)"),
+    (dict(query_seq_lengths=jnp.ones((3,), jnp.int32)), ValueError,
+     r"query_seq_lengths must have shape \(2,\)"),
+    (dict(key_value_seq_lengths=jnp.ones((2,), jnp.float32)), TypeError,
+     r"key_value_seq_lengths must have an integer dtype"),
+    (dict(query_seq_lengths=jnp.array([6, 1], jnp.int32)), ValueError,
+     r"query_seq_lengths must lie in \[0, 5\]"),
+    (dict(key_value_seq_lengths=np.array([-1, 1], np.int32)), ValueError,
+     r"key_value_seq_lengths must lie in \[0, 7\]"),
+    (dict(implementation="cudnn"), ValueError, r"implementation='cudnn'"),
+    (dict(return_residual=True), ValueError, r"return_residual"),
+], ids=["bias-shape", "bias-rank", "bias-dtype", "mask-dtype", "mask-shape", "q-len-shape",
+        "kv-len-dtype", "q-len-range", "kv-len-negative", "cudnn", "return-residual"])
+def test_extras_bad_inputs(kw, exc, match):
+  q = jnp.ones((2, 5, 4, 16), jnp.bfloat16)
+  kv = jnp.ones((2, 7, 2, 16), jnp.bfloat16)
+  with pytest.raises(exc, match=match):
+    jaxgpu.dot_product_attention(q, kv, kv, **kw)
+
+
+def test_rank3_mismatch_rejected():
+  with pytest.raises(ValueError, match="query, key and value must have rank 4"):
+    jaxgpu.dot_product_attention(jnp.ones((5, 4, 16)), jnp.ones((1, 7, 2, 16)),
+                                 jnp.ones((1, 7, 2, 16)))

@@ -136,6 +136,55 @@ def test_wgmma_refused_where_it_cannot_run(h, rng):
   assert why in str(err.value), str(err.value)
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("extra", ["bias", "mask"])
+def test_bias_and_mask_run_on_mma_sync(extra, rng):
+  """A bias or a mask runs on the mma_sync kernels: 'auto' takes them there (bitwise the
+  forced mma_sync result, forward and gradients), and a forced wgmma fails the call with
+  the reason on a Hopper build."""
+  archs = _ffi.cuda_module().cuda_architectures().split(",")
+  hopper = "90a" in archs and jax.devices("cuda")[0].compute_capability == "9.0"
+  case = ta.Case(2, 200, 130, 4, 2, 128)
+  q, k, v = ta.make_qkv(rng, case)
+  kw = {"bias": dict(bias=oracle.randn(rng, (1, 4, 200, 130), jnp.bfloat16)),
+        "mask": dict(mask=jnp.asarray(rng.random((2, 1, 200, 130)) < 0.8))}[extra]
+
+  def run(path):
+    with attention_op._force_path(path):
+      f = lambda q, k, v: jaxgpu.dot_product_attention(q, k, v, implementation="cuda", **kw)
+      loss = lambda q, k, v: jnp.sum(f(q, k, v).astype(jnp.float32) ** 2)
+      return jax.jit(f)(q, k, v), jax.jit(jax.grad(loss, argnums=(0, 1, 2)))(q, k, v)
+
+  for a, b in zip(jax.tree.leaves(run("auto")), jax.tree.leaves(run("mma_sync"))):
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  if hopper:
+    with pytest.raises(Exception, match="no bias or mask"):
+      jax.block_until_ready(run("wgmma"))
+
+
+# Sequence lengths on both main loops: every wgmma head dim, odd lengths, the options.
+LENGTH_CASES = [
+    ta.Case(3, 1023, 1023, 4, 2, 128, jnp.bfloat16, ta.Opts(causal=True)),
+    ta.Case(3, 255, 700, 6, 2, 64, jnp.float16, ta.Opts(softcap=5.0, segments=True)),
+    ta.Case(2, 384, 128, 3, 1, 256, jnp.bfloat16, ta.Opts(window=(100, 20))),
+    ta.Case(3, 113, 385, 4, 4, 111, jnp.bfloat16, ta.Opts(causal=True, softcap=3.0)),
+]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("path", ["mma_sync", "wgmma"])
+@pytest.mark.parametrize("case", LENGTH_CASES, ids=lambda c: c.id())
+def test_lengths_on_each_path(path, case, rng):
+  """query_seq_lengths / key_value_seq_lengths (rows of length 0 included) under each forced
+  main loop, forward and gradients against the float64 oracle."""
+  archs = _ffi.cuda_module().cuda_architectures().split(",")
+  hopper = "90a" in archs and jax.devices("cuda")[0].compute_capability == "9.0"
+  if path == "wgmma" and not hopper:
+    pytest.skip("wgmma needs an sm_90a build on a compute capability 9.0 device")
+  with attention_op._force_path(path):
+    ta.run_extras(case, ta.Extra(lengths="both"), "cuda", rng)
+
+
 # ---- the hook and the attribute (CPU) ---------------------------------------------------------
 
 
@@ -204,8 +253,10 @@ def _raw_cpu_fwd(q5, k, v, **attrs):
   out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype),
          jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32))
   empty = jnp.zeros((0,), jnp.int32)
+  # segment ids, bias, mask, lengths: all absent
+  absent = (empty, empty, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.bool_), empty, empty)
   call = jax.ffi.ffi_call(_ffi.target_name("jaxgpu_attention_fwd", "cpu"), out)
-  return jax.jit(lambda q5, k, v: call(q5, k, v, empty, empty, **attrs))(q5, k, v)
+  return jax.jit(lambda q5, k, v: call(q5, k, v, *absent, **attrs))(q5, k, v)
 
 
 _ATTRS = dict(scale=np.float32(0.25), softcap=np.float32(0.0), causal=True,
@@ -237,8 +288,9 @@ def test_handler_path_is_optional():
     (dict(_ATTRS, paths=np.int32(0)), "attributes: expected scale"),
     ({a: v for a, v in _ATTRS.items() if a != "scale"}, "attribute scale"),
     (dict(_ATTRS, causal=np.int32(1)), "attribute causal"),
+    (dict(_ATTRS, has_bias=np.int32(1)), "attribute has_bias"),
 ], ids=["path-3", "path-negative", "path-int64", "path-forced", "unknown-name", "missing-scale",
-        "causal-type"])
+        "causal-type", "has-bias-type"])
 def test_handler_checks_the_attributes(attrs, match):
   _needs_cpu()
   q, k, v = _small_inputs(dtype=jnp.float32)

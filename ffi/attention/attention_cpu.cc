@@ -16,6 +16,10 @@
 //   ds_j  = p_j (dp_j - delta)  times (1 - (l_j / c)^2) with a softcap c (tanh')
 //   dq   += ds_j k_j,  dk_j += ds_j q,  dv_j += p_j do;  dq, dk scaled by `scale` at the end.
 // A row with no visible key has o = 0, lse = -inf and zero gradients.
+// Bias, mask and lengths (attention_params.h): the bias is added after the softcap, so
+// dbias = p_j (dp_j - delta) (before the softcap's slope), added into the float32 dbias
+// in the same fixed order (deterministic, also where the bias is broadcast). Rows past
+// the query length are skipped (zeros), and keys past the key length end the key range.
 #include "attention/attention_cpu.h"
 
 #include <algorithm>
@@ -60,6 +64,41 @@ bool SameSegment(const AttentionParams& p, int64_t b, int64_t i, int64_t j) {
          p.q_segment_ids[b * p.q_len + i] == p.kv_segment_ids[b * p.kv_len + j];
 }
 
+// A row's valid length: lengths[b] clamped to [0, full] (a traced length may be anything).
+int64_t ValidLength(const int32_t* lengths, int64_t b, int64_t full) {
+  if (lengths == nullptr) return full;
+  return std::min<int64_t>(std::max<int64_t>(lengths[b], 0), full);
+}
+
+// Offsets of (b, kh, r, i, 0) in a bias- or mask-shaped array; element j adds j * stride[4].
+int64_t BroadcastRow(const int64_t stride[5], int64_t b, int64_t kh, int64_t r, int64_t i) {
+  return b * stride[0] + kh * stride[1] + r * stride[2] + i * stride[3];
+}
+
+double BiasAt(const AttentionParams& p, int64_t at) {
+  switch (p.bias_dtype) {
+    case DType::kF32: return static_cast<const float*>(p.bias)[at];
+    case DType::kBF16: return Bf16ToFloat(static_cast<const uint16_t*>(p.bias)[at]);
+    case DType::kF16: return F16ToFloat(static_cast<const uint16_t*>(p.bias)[at]);
+    default: return 0.0;  // the handler admits float32 and q's 16-bit dtypes only
+  }
+}
+
+// Where one query row's bias and mask start (or -1 without them).
+struct RowExtras {
+  int64_t bias = -1, mask = -1;
+  RowExtras(const AttentionParams& p, int64_t b, int64_t kh, int64_t r, int64_t i) {
+    if (p.bias != nullptr) bias = BroadcastRow(p.bias_stride, b, kh, r, i);
+    if (p.mask != nullptr) mask = BroadcastRow(p.mask_stride, b, kh, r, i);
+  }
+  bool Keeps(const AttentionParams& p, int64_t j) const {
+    return mask < 0 || p.mask[mask + j * p.mask_stride[4]] != 0;
+  }
+  double Bias(const AttentionParams& p, int64_t j) const {
+    return bias < 0 ? 0.0 : BiasAt(p, bias + j * p.bias_stride[4]);
+  }
+};
+
 double Dot(const float* a, const float* b, int64_t n) {
   double s = 0.0;
   for (int64_t h = 0; h < n; ++h) s += double(a[h]) * double(b[h]);
@@ -96,6 +135,8 @@ void AttentionFwd(const AttentionParams& p) {
   std::vector<float> kf(d.S * H), vf(d.S * H), q(H), out(H);
   std::vector<double> logit(std::max<int64_t>(d.S, 1)), acc(H);
   for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t q_valid = ValidLength(p.q_lengths, b, d.T);
+    const int64_t kv_valid = ValidLength(p.kv_lengths, b, d.S);
     for (int64_t kh = 0; kh < d.K; ++kh) {
       LoadKv(p, d, b, kh, kf.data(), vf.data());
       for (int64_t r = 0; r < d.R; ++r) {
@@ -103,12 +144,16 @@ void AttentionFwd(const AttentionParams& p) {
           const int64_t row = d.QRow(b, i, kh, r);
           int64_t lo, hi;
           VisibleRange(p, i, &lo, &hi);
+          hi = std::min(hi, kv_valid - 1);
+          if (i >= q_valid) hi = lo - 1;  // past the row's query length: zeros
           LoadFloats(p.q, p.dtype, row, H, q.data());
+          const RowExtras ex(p, b, kh, r, i);
           double mx = kNegInf;
           for (int64_t j = lo; j <= hi; ++j) {
             double unused;
-            logit[j] =
-                SameSegment(p, b, i, j) ? Logit(p, q.data(), &kf[j * H], H, &unused) : kNegInf;
+            logit[j] = SameSegment(p, b, i, j) && ex.Keeps(p, j)
+                           ? Logit(p, q.data(), &kf[j * H], H, &unused) + ex.Bias(p, j)
+                           : kNegInf;
             mx = std::max(mx, logit[j]);
           }
           std::fill(acc.begin(), acc.end(), 0.0);
@@ -137,6 +182,7 @@ void AttentionFwd(const AttentionParams& p) {
 
 void AttentionBwd(const AttentionParams& p) {
   const Dims d(p);
+  if (p.dbias != nullptr) std::fill_n(p.dbias, BroadcastCount(p, p.bias_stride), 0.f);
   if (d.B == 0 || d.K == 0) return;
   const int64_t H = d.H;
   const double scale = p.scale;
@@ -144,6 +190,8 @@ void AttentionBwd(const AttentionParams& p) {
   std::vector<float> kf(d.S * H), vf(d.S * H), q(H), o(H), dout(H), row_out(H);
   std::vector<double> dk(d.S * H), dv(d.S * H), dq(H);
   for (int64_t b = 0; b < d.B; ++b) {
+    const int64_t q_valid = ValidLength(p.q_lengths, b, d.T);
+    const int64_t kv_valid = ValidLength(p.kv_lengths, b, d.S);
     for (int64_t kh = 0; kh < d.K; ++kh) {
       LoadKv(p, d, b, kh, kf.data(), vf.data());
       std::fill(dk.begin(), dk.end(), 0.0);
@@ -161,15 +209,19 @@ void AttentionBwd(const AttentionParams& p) {
           const double lse = p.lse[stat];
           int64_t lo, hi;
           VisibleRange(p, i, &lo, &hi);
-          if (lse == kNegInf) hi = lo - 1;  // a row with no visible key: zero gradients
+          hi = std::min(hi, kv_valid - 1);
+          // A row with no visible key, or past the row's query length: zero gradients.
+          if (lse == kNegInf || i >= q_valid) hi = lo - 1;
+          const RowExtras ex(p, b, kh, r, i);
           for (int64_t j = lo; j <= hi; ++j) {
-            if (!SameSegment(p, b, i, j)) continue;
+            if (!SameSegment(p, b, i, j) || !ex.Keeps(p, j)) continue;
             const float* kj = &kf[j * H];
             const float* vj = &vf[j * H];
             double t;
-            const double l = Logit(p, q.data(), kj, H, &t);
+            const double l = Logit(p, q.data(), kj, H, &t) + ex.Bias(p, j);
             const double pj = std::exp(l - lse);
             double ds = pj * (Dot(dout.data(), vj, H) - delta);
+            if (p.dbias != nullptr) p.dbias[ex.bias + j * p.bias_stride[4]] += float(ds);
             if (cap > 0) ds *= 1.0 - t * t;  // d(c tanh(x / c))/dx, t = l / c
             double* dkj = &dk[j * H];
             double* dvj = &dv[j * H];

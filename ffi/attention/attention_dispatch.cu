@@ -63,13 +63,20 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path, cud
 }
 
 // Deterministic: no atomics, every gradient element is summed by one thread in a fixed
-// order. delta first, then dQ per (query tile, query head) and dK/dV per (key tile, kv
-// head), each recomputing the probabilities from the forward's lse (see each main loop).
+// order (but dbias where the bias broadcasts: float32 atomics, attention_extras.cuh).
+// delta first, then dQ per (query tile, query head) and dK/dV per (key tile, kv head), each
+// recomputing the probabilities from the forward's lse (see each main loop).
 cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
   const MainLoop* loop = MainLoopOf(path);
   if (loop == nullptr) return cudaErrorInvalidValue;  // not resolved
+  if (p.dbias != nullptr) {
+    // The dQ kernel skips fully masked tiles, whose gradient is 0, and adds into the
+    // broadcast elements: both need zeros first.
+    JAXGPU_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(
+        p.dbias, 0, static_cast<size_t>(BroadcastCount(p, p.bias_stride)) * sizeof(float), stream));
+  }
   if (p.batch * p.q_len * p.kv_heads * p.group > 0) {
     JAXGPU_RETURN_IF_CUDA_ERROR(LaunchDelta(p, stream));
     JAXGPU_RETURN_IF_CUDA_ERROR(loop->dq(p, stream));

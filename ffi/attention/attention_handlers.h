@@ -4,21 +4,28 @@
 // FFI contract (targets jaxgpu_attention_{fwd,bwd}; Python side: jaxgpu/ops/attention.py;
 // layouts and the mask in attention_params.h):
 //   fwd  args  q (B, T, K, R, H), k (B, S, K, H), v (B, S, K, H),
-//              q_segment_ids s32 (B, T) | (0), kv_segment_ids s32 (B, S) | (0)
+//              q_segment_ids s32 (B, T) | (0), kv_segment_ids s32 (B, S) | (0),
+//              bias (Bb, Kb, Rb, Tb, Sb) f32 or q's dtype | (0),
+//              mask pred (Bm, Km, Rm, Tm, Sm) | (0)   (each dim 1 or B, K, R, T, S),
+//              q_lengths s32 (B) | (0), kv_lengths s32 (B) | (0)
 //        rets  o (B, T, K, R, H) the dtype of q, lse f32 (B, K, R, T)
 //   bwd  args  q, k, v, o, lse, do (the shape of o), q_segment_ids, kv_segment_ids,
 //              segment_uniform s32 (B) | (0): 1 where row b's ids are all one segment
-//              (optional with segment ids: empty keeps every row on the maskable kernels)
-//        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace)
+//              (optional with segment ids: empty keeps every row on the maskable kernels),
+//              bias, mask, q_lengths, kv_lengths (as the forward's)
+//        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace),
+//              dbias f32 (bias's shape) | (0): empty without a bias or with has_dbias false
 //   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
 //        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool,
 //        and optionally path s32 (attention_path.h: 0 = auto when absent; the CPU handlers
-//        take auto only, the CUDA ones refuse a main loop that cannot run the call)
+//        take auto only, the CUDA ones refuse a main loop that cannot run the call),
+//        has_bias, has_mask, has_lengths, has_dbias bool (false when absent)
 #pragma once
 
 #include <cmath>
 #include <cstdint>
 #include <string>
+#include <utility>
 
 #include "attention/attention_params.h"
 #include "attention/attention_path.h"
@@ -38,6 +45,10 @@ namespace jaxgpu {
                              .Arg<::xla::ffi::AnyBuffer>()  /* v */              \
                              .Arg<::xla::ffi::AnyBuffer>()  /* q_segment_ids */  \
                              .Arg<::xla::ffi::AnyBuffer>()  /* kv_segment_ids */ \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* bias */           \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* mask */           \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* q_lengths */      \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* kv_lengths */     \
                              .Ret<::xla::ffi::AnyBuffer>()  /* o */              \
                              .Ret<::xla::ffi::AnyBuffer>()) /* lse */
 
@@ -51,10 +62,15 @@ namespace jaxgpu {
                              .Arg<::xla::ffi::AnyBuffer>()  /* q_segment_ids */   \
                              .Arg<::xla::ffi::AnyBuffer>()  /* kv_segment_ids */  \
                              .Arg<::xla::ffi::AnyBuffer>()  /* segment_uniform */ \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* bias */            \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* mask */            \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* q_lengths */       \
+                             .Arg<::xla::ffi::AnyBuffer>()  /* kv_lengths */      \
                              .Ret<::xla::ffi::AnyBuffer>()  /* dq */              \
                              .Ret<::xla::ffi::AnyBuffer>()  /* dk */              \
                              .Ret<::xla::ffi::AnyBuffer>()  /* dv */              \
-                             .Ret<::xla::ffi::AnyBuffer>()) /* delta */
+                             .Ret<::xla::ffi::AnyBuffer>()  /* delta */           \
+                             .Ret<::xla::ffi::AnyBuffer>()) /* dbias */
 
 // The attributes every attention handler takes.
 struct AttentionAttrs {
@@ -65,6 +81,10 @@ struct AttentionAttrs {
   int64_t window_right;
   bool has_segments;
   AttentionPath path;
+  bool has_bias = false;
+  bool has_mask = false;
+  bool has_lengths = false;
+  bool has_dbias = false;
 };
 
 template <typename T>
@@ -98,11 +118,25 @@ inline ffi::Error AttentionAttrsFrom(const ffi::Dictionary& attrs, AttentionAttr
                                          std::to_string(path));
     }
   }
-  if (attrs.size() != (has_path ? 7u : 6u)) {
+  size_t expected = has_path ? 7u : 6u;
+  for (auto [name, flag] : {std::pair<const char*, bool*>{"has_bias", &a->has_bias},
+                            {"has_mask", &a->has_mask},
+                            {"has_lengths", &a->has_lengths},
+                            {"has_dbias", &a->has_dbias}}) {
+    *flag = false;
+    if (attrs.contains(name)) {
+      JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, name, flag));
+      ++expected;
+    }
+  }
+  if (attrs.size() != expected) {
     return ffi::Error::InvalidArgument(
         "attributes: expected scale, softcap, causal, window_left, window_right, has_segments "
-        "and optionally path, got " +
+        "and optionally path, has_bias, has_mask, has_lengths, has_dbias, got " +
         std::to_string(attrs.size()) + " attributes");
+  }
+  if (a->has_dbias && !a->has_bias) {
+    return ffi::Error::InvalidArgument("has_dbias: needs has_bias");
   }
   return ffi::Error::Success();
 }
@@ -173,6 +207,69 @@ inline ffi::Error MakeAttentionShape(const ffi::AnyBuffer& q, const ffi::AnyBuff
   return ffi::Error::Success();
 }
 
+// The optional bias, mask and lengths operands (absent: empty buffers, the flags false).
+// Each dim of bias and mask is 1 (broadcast: stride 0) or the full size.
+inline ffi::Error BroadcastStrides(const ffi::AnyBuffer& buf, const AttentionParams& p,
+                                   const char* name, int64_t stride[5]) {
+  auto d = buf.dimensions();
+  const int64_t full[5] = {p.batch, p.kv_heads, p.group, p.q_len, p.kv_len};
+  if (d.size() != 5) {
+    return ffi::Error::InvalidArgument(std::string(name) +
+                                       ": expected rank 5 (B, K, R, T, S), each dim 1 or full");
+  }
+  int64_t step = 1;
+  for (int i = 4; i >= 0; --i) {
+    if (d[i] != 1 && d[i] != full[i]) {
+      return ffi::Error::InvalidArgument(std::string(name) + ": dim " + std::to_string(i) + " is " +
+                                         std::to_string(d[i]) + ", expected 1 or " +
+                                         std::to_string(full[i]));
+    }
+    stride[i] = d[i] == 1 ? 0 : step;
+    step *= d[i];
+  }
+  return ffi::Error::Success();
+}
+
+inline ffi::Error MakeAttentionExtras(const ffi::AnyBuffer& bias, const ffi::AnyBuffer& mask,
+                                      const ffi::AnyBuffer& q_lengths,
+                                      const ffi::AnyBuffer& kv_lengths, const AttentionAttrs& a,
+                                      AttentionParams* p) {
+  if (a.has_bias) {
+    DType bt;
+    JAXGPU_RETURN_IF_ERROR(CheckDType(bias, kFloatDTypes, "bias", &bt));
+    if (bt != DType::kF32 && bt != p->dtype) {
+      return ffi::Error::InvalidArgument("bias: dtype must be float32 or the dtype of q");
+    }
+    JAXGPU_RETURN_IF_ERROR(BroadcastStrides(bias, *p, "bias", p->bias_stride));
+    p->bias = bias.untyped_data();
+    p->bias_dtype = bt;
+  } else if (bias.element_count() != 0) {
+    return ffi::Error::InvalidArgument("bias: must be empty when has_bias is false");
+  }
+  if (a.has_mask) {
+    if (mask.element_type() != ffi::DataType::PRED) {
+      return ffi::Error::InvalidArgument("mask: dtype must be bool, got " +
+                                         DataTypeName(mask.element_type()));
+    }
+    JAXGPU_RETURN_IF_ERROR(BroadcastStrides(mask, *p, "mask", p->mask_stride));
+    p->mask = static_cast<const uint8_t*>(mask.untyped_data());
+  } else if (mask.element_count() != 0) {
+    return ffi::Error::InvalidArgument("mask: must be empty when has_mask is false");
+  }
+  if (a.has_lengths) {
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(q_lengths, ffi::DataType::S32, p->batch, "q_lengths"));
+    JAXGPU_RETURN_IF_ERROR(CheckDims(q_lengths, {p->batch}, "q_lengths"));
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(kv_lengths, ffi::DataType::S32, p->batch, "kv_lengths"));
+    JAXGPU_RETURN_IF_ERROR(CheckDims(kv_lengths, {p->batch}, "kv_lengths"));
+    p->q_lengths = static_cast<const int32_t*>(q_lengths.untyped_data());
+    p->kv_lengths = static_cast<const int32_t*>(kv_lengths.untyped_data());
+  } else if (q_lengths.element_count() != 0 || kv_lengths.element_count() != 0) {
+    return ffi::Error::InvalidArgument(
+        "q_lengths, kv_lengths: must be empty when has_lengths is false");
+  }
+  return ffi::Error::Success();
+}
+
 inline int64_t AttentionQueryCount(const AttentionParams& p) {
   return p.batch * p.q_len * p.kv_heads * p.group * p.head_dim;
 }
@@ -196,10 +293,14 @@ ffi::Error CheckRowStats(const S& buf, const AttentionParams& p, const char* nam
 
 inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                                          ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
+                                         ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                                         ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                                          ffi::Result<ffi::AnyBuffer> o,
                                          ffi::Result<ffi::AnyBuffer> lse, const AttentionAttrs& a,
                                          AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
+  if (a.has_dbias) return ffi::Error::InvalidArgument("has_dbias: backward only");
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionExtras(bias, mask, q_lengths, kv_lengths, a, p));
   JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(*o, *p, q.element_type(), "o"));
   JAXGPU_RETURN_IF_ERROR(CheckRowStats(*lse, *p, "lse"));
   p->o = o->untyped_data();
@@ -210,9 +311,27 @@ inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
 inline ffi::Error MakeAttentionBwdParams(
     ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
     ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform,
+    ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    ffi::Result<ffi::AnyBuffer> delta, const AttentionAttrs& a, AttentionParams* p) {
+    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dbias, const AttentionAttrs& a,
+    AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionExtras(bias, mask, q_lengths, kv_lengths, a, p));
+  if (a.has_dbias) {
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(dbias, ffi::DataType::F32,
+                                       static_cast<int64_t>(bias.element_count()), "dbias"));
+    auto bd = bias.dimensions();
+    auto dd = dbias->dimensions();
+    bool same = bd.size() == dd.size();
+    for (size_t i = 0; same && i < bd.size(); ++i) same = bd[i] == dd[i];
+    if (!same) return ffi::Error::InvalidArgument("dbias: expected bias's shape");
+    p->dbias = static_cast<float*>(dbias->untyped_data());
+    const int64_t full[5] = {p->batch, p->kv_heads, p->group, p->q_len, p->kv_len};
+    p->dbias_atomic = false;
+    for (int i = 0; i < 5; ++i) p->dbias_atomic |= bd[i] == 1 && full[i] > 1;
+  } else if (dbias->element_count() != 0) {
+    return ffi::Error::InvalidArgument("dbias: must be empty when has_dbias is false");
+  }
   const ffi::DataType t = q.element_type();
   JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(q, *p, t, "q"));
   JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(o, *p, t, "o"));

@@ -21,28 +21,32 @@ ffi::Error AttentionAttrsCpu(const ffi::Dictionary& attrs, AttentionAttrs* a) {
 }
 
 ffi::Error AttentionFwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                           ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
+                           ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer bias,
+                           ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
                            ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsCpu(attrs, &a));
   AttentionParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, o, lse, a, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, bias, mask, q_lengths,
+                                                kv_lengths, o, lse, a, &p));
   cpu::AttentionFwd(p);
   return ffi::Error::Success();
 }
 
 ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer o,
                            ffi::AnyBuffer lse, ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg,
-                           ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform,
+                           ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform, ffi::AnyBuffer bias,
+                           ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Dictionary attrs) {
+                           ffi::Result<ffi::AnyBuffer> dbias, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsCpu(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
-                                                dq, dk, dv, delta, a, &p));
+                                                bias, mask, q_lengths, kv_lengths, dq, dk, dv,
+                                                delta, dbias, a, &p));
   cpu::AttentionBwd(p);
   return ffi::Error::Success();
 }

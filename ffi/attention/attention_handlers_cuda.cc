@@ -36,12 +36,14 @@ ffi::Error ResolvePath(const AttentionParams& p, AttentionPath requested, Attent
 
 ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                            ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
-                            ffi::Dictionary attrs) {
+                            ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
+                            ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> o,
+                            ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
-  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, o, lse, a, &p));
+  JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, bias, mask, q_lengths,
+                                                kv_lengths, o, lse, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
   AttentionPath path;
   JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));
@@ -51,14 +53,17 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
 ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                             ffi::AnyBuffer v, ffi::AnyBuffer o, ffi::AnyBuffer lse,
                             ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                            ffi::AnyBuffer seg_uniform, ffi::Result<ffi::AnyBuffer> dq,
-                            ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-                            ffi::Result<ffi::AnyBuffer> delta, ffi::Dictionary attrs) {
+                            ffi::AnyBuffer seg_uniform, ffi::AnyBuffer bias, ffi::AnyBuffer mask,
+                            ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
+                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
+                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
-                                                dq, dk, dv, delta, a, &p));
+                                                bias, mask, q_lengths, kv_lengths, dq, dk, dv,
+                                                delta, dbias, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
   AttentionPath path;
   JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));

@@ -57,6 +57,11 @@ inline bool NeedsPositionMask(const AttentionParams& p, int block_n) {
   return m.causal || m.left >= 0 || m.right >= 0 || p.kv_len % block_n != 0;
 }
 
+// A bias, a mask or sequence lengths: the kernels compiled with kExtra run the call.
+inline bool HasExtras(const AttentionParams& p) {
+  return p.bias != nullptr || p.mask != nullptr || p.q_lengths != nullptr;
+}
+
 // Whether any tile can hold a masked element: otherwise the kernels compile the mask out.
 inline bool NeedsMask(const AttentionParams& p, int block_n) {
   return NeedsPositionMask(p, block_n) || p.q_segment_ids != nullptr;

@@ -13,6 +13,9 @@ namespace jaxgpu::cuda::attention {
 
 // Positions fit in int: the handler rejects T, S >= 2^31, and the launcher turns a window
 // side that reaches past the sequence into "unbounded" (-1), so i + right cannot overflow.
+// q_len and kv_len are the batch row's valid lengths: T and S, or with sequence lengths
+// (MakeMask<true>) those clamped to [0, T] / [0, S], so every range and tile walk below
+// stops at them. The kernels store their outputs up to p.q_len / p.kv_len.
 struct Mask {
   int q_len;
   int kv_len;
@@ -88,7 +91,9 @@ struct TileWalk {
   }
 };
 
-template <bool kKeyTiles>
+// kLengths: the CTA's rows may all lie past the row's valid length (cta1 < cta0), and then
+// it walks nothing.
+template <bool kKeyTiles, bool kLengths = false>
 __device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int cta1, int warp0,
                                                  int warp1, int tile) {
   auto range = [&](int i0, int i1, int* lo, int* hi) {
@@ -98,6 +103,7 @@ __device__ __forceinline__ TileWalk MakeTileWalk(const Mask& m, int cta0, int ct
       m.QueryRange(i0, i1, lo, hi);
   };
   TileWalk w{0, 0, 0, 0};
+  if (kLengths && cta1 < cta0) return w;
   int lo, hi;
   range(cta0, cta1, &lo, &hi);
   w.begin = lo / tile;
@@ -133,11 +139,28 @@ __device__ __forceinline__ SegmentRange WarpSegmentRange(const int32_t* ids, int
   return {__reduce_min_sync(0xffffffffu, lo), __reduce_max_sync(0xffffffffu, hi)};
 }
 
-// The mask of batch row b, with window sides normalized (see Mask).
+// A batch row's valid length: lengths[b] clamped to [0, full] (a traced length may hold
+// anything; clamping keeps every read in bounds).
+__host__ __device__ inline int ValidLength(const int32_t* lengths, int64_t b, int64_t full) {
+  const int n = static_cast<int>(full);
+  if (lengths == nullptr) return n;
+  const int v = lengths[b];
+  return v < 0 ? 0 : (v > n ? n : v);
+}
+
+// The mask of batch row b, with window sides normalized (see Mask). kLengths: with the
+// row's sequence lengths (when given); the kernels without them compile to the code they
+// had.
+template <bool kLengths = false>
 __host__ __device__ inline Mask MakeMask(const AttentionParams& p, int64_t b) {
   Mask m;
-  m.q_len = static_cast<int>(p.q_len);
-  m.kv_len = static_cast<int>(p.kv_len);
+  if constexpr (kLengths) {
+    m.q_len = ValidLength(p.q_lengths, b, p.q_len);
+    m.kv_len = ValidLength(p.kv_lengths, b, p.kv_len);
+  } else {
+    m.q_len = static_cast<int>(p.q_len);
+    m.kv_len = static_cast<int>(p.kv_len);
+  }
   m.causal = p.causal;
   m.left = (p.window_left < 0 || p.window_left >= p.q_len) ? -1 : static_cast<int>(p.window_left);
   m.right =

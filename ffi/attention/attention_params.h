@@ -8,12 +8,20 @@
 //   lse, delta     (B, K, R, T)      float32
 //   segment ids    (B, T) / (B, S)   int32
 //   segment_uniform (B,)             int32, backward only (see below)
+//   bias, dbias    (Bb, Kb, Rb, Tb, Sb)  each dim 1 (broadcast) or B, K, R, T, S
+//   mask           (Bm, Km, Rm, Tm, Sm)  bool (one byte), the same rule
+//   q_lengths, kv_lengths (B,)       int32
 //
 // Logits: l(i, j) = scale * q_i . k_j, then softcap * tanh(l / softcap) when softcap > 0,
-// then masked. Key j is visible to query i when
+// then + bias[b, n, i, j] (after the softcap: Gemma-style models cap the content logits and
+// add position terms outside the cap), then masked. Key j is visible to query i when
 //   j <= i                                    (causal: top-left aligned, as jnp.tril)
 //   i - window_left <= j <= i + window_right  (each side only when >= 0; -1 = unbounded)
 //   q_segment_ids[b, i] == kv_segment_ids[b, j]   (when given)
+//   mask[b, n, i, j]                          (when given)
+//   i < q_lengths[b] and j < kv_lengths[b]    (when given; clamped to [0, T] / [0, S], so a
+//                                              traced out-of-range length reads nothing
+//                                              out of bounds)
 // A query with no visible key gets o = 0, lse = -inf, and zero gradients.
 #pragma once
 
@@ -42,6 +50,23 @@ struct AttentionParams {
   // one segment (nothing masked by them), else 0. nullptr otherwise.
   const int32_t* segment_uniform;
 
+  // Additive bias and boolean mask (nullptr: none). Element (b, kh, r, i, j) lies at
+  // sum(index * stride) with stride 0 on a broadcast dim, so a broadcast dim is never
+  // materialized. bias_dtype: float32 or the dtype of q.
+  const void* bias;
+  DType bias_dtype;
+  int64_t bias_stride[5];
+  const uint8_t* mask;
+  int64_t mask_stride[5];
+  // Per batch row valid lengths (nullptr: T / S). Tiles past them are skipped, not masked.
+  const int32_t* q_lengths;
+  const int32_t* kv_lengths;
+  // Backward with a bias: float32 dL/dbias in bias's shape (strides bias_stride), zeroed by
+  // the launcher; dbias_atomic when some dim is broadcast (several (b, n, i, j) add into one
+  // element), else every element is stored by the one thread that computes it.
+  float* dbias;
+  bool dbias_atomic;
+
   // Forward: reads q, k, v; writes o, lse.  Backward: reads q, k, v, o, lse, d_o; writes
   // dq, dk, dv and delta (rowsum(do * o), a float32 workspace the caller allocates).
   const void* q;
@@ -55,5 +80,13 @@ struct AttentionParams {
   void* dv;
   float* delta;
 };
+
+// Elements of a bias- or mask-shaped array with these strides (a dim of stride 0 has size 1).
+inline int64_t BroadcastCount(const AttentionParams& p, const int64_t stride[5]) {
+  const int64_t full[5] = {p.batch, p.kv_heads, p.group, p.q_len, p.kv_len};
+  int64_t n = 1;
+  for (int i = 0; i < 5; ++i) n *= stride[i] == 0 ? 1 : full[i];
+  return n;
+}
 
 }  // namespace jaxgpu

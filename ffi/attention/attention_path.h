@@ -8,6 +8,9 @@
 
 namespace jaxgpu {
 
+// kAuto takes wgmma where it can run a call, else mma_sync. A bias or a mask
+// (attention_params.h) runs on mma_sync only: kAuto falls back to it on Hopper too, and a
+// forced kWgmma fails such a call with an error that says so. Sequence lengths run on both.
 enum class AttentionPath : int32_t {
   kAuto = 0,
   kMmaSync = 1,  // sm80/: mma.sync m16n8k16, on any device the CUDA kernels run on

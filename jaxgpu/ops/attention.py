@@ -13,9 +13,17 @@ k and v). For the kernel implementations ('cuda', 'cpu') a head dim that is not 
 of 8 is zero-padded to one (the CUDA kernels load 16-byte rows; zero features change
 neither q.k nor the kept output columns), the outputs and gradients are sliced back, and
 the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
-  fwd  q, k, v[, q_seg, kv_seg]          -> o (B, T, K, R, H), lse float32 (B, K, R, T)
-  bwd  q, k, v, o, lse, do[, segs, uniform] -> dq, dk, dv, delta float32 (B, K, R, T)
-                                                (workspace)
+  fwd  q, k, v[, q_seg, kv_seg][, bias, mask, q_len, kv_len]
+                                        -> o (B, T, K, R, H), lse float32 (B, K, R, T)
+  bwd  q, k, v, o, lse, do[, segs, uniform][, bias, mask, q_len, kv_len]
+                                        -> dq, dk, dv, delta float32 (B, K, R, T)
+                                           (workspace)[, dbias float32 (bias's shape)]
+The bias and mask go to the kernels as (Bb, Kb, Rb, Tb, Sb), a free reshape of their
+(Bb, Nb, Tb, Sb) (Nb = N splits into (K, R), Nb = 1 into (1, 1)), each dim 1 or full: the
+kernels read them with stride 0 on the broadcast dims. Both lengths go together (a missing
+side is its full length, an int32 (B,) array). Absent ones are empty arrays with the
+attributes has_bias / has_mask / has_lengths false; dbias is computed only when the bias is
+differentiated (custom_vjp's symbolic zeros tell; has_dbias).
 Both take the attribute path (int32; ffi/attention/attention_path.h): 0 lets the CUDA kernels
 choose their main loop, and `_force_path` forces one (tests run both in one process).
 Absent segment ids go to the kernels as int32 zeros((0,)) with has_segments=False. The
@@ -24,22 +32,29 @@ segment (`_segment_uniform`, a small XLA reduction in the per-shard body; empty 
 causal mask or window): the Hopper kernels run those rows without the mask.
 
 Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes per query
-row and head); both are kept for the backward pass with q, k, v and the segment ids, which
-are the inputs themselves (no copies). Backward: dq, dk, dv (the shapes and dtypes of q, k,
+row and head); both are kept for the backward pass with q, k, v, the segment ids, bias,
+mask and lengths, which are the inputs themselves (no copies; a bias neither float32 nor
+q's dtype is cast to float32). With a differentiated bias the backward pass also
+allocates dbias, float32 in the bias's shape (the kernels' accumulator, cast to the bias's
+dtype after). Backward: dq, dk, dv (the shapes and dtypes of q, k,
 v; dk and dv already reduced over the R query heads of each kv head) and delta, a float32
 workspace of B*N*T; with segment ids and no causal mask or window, the per-row flag
 `uniform` (4 bytes per batch row). No T x S array exists in either pass. With H % 8 != 0
 (kernels only), zero-padded copies of q, k and v are made (and kept as the residuals instead of the
 inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
 vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
-results are per example anyway.
+results are per example anyway; so is a batched bias or mask that broadcasts over B. The
+gradient of an unbatched bias shared by the batch (a (1, ...) bias) under vmap is per
+example: those backward calls run one example at a time (lax.map).
 
 Sharding (jit with sharded inputs, shard_map, pmap). The group axis of the transform stack
 (jaxgpu/_kernel_op.py) is B. Factors: q, o, do, dq "g t k r h"; k, v, dk, dv "g s k h";
-lse, delta "g k r t"; q_segment_ids "g t", kv_segment_ids "g s". Replicated (gathered when
-sharded): h and s always, and t when is_causal or a window is set (the kernels compare
-global query and key positions; passing each shard its offset would need the partitioned
-body to know its shard index).
+lse, delta "g k r t"; q_segment_ids "g t", kv_segment_ids "g s"; bias, dbias and mask
+"[g] k r t s" with each broadcast dim named apart ("onebk", ...: never sharded, and the
+gradient of a bias broadcast over a sharded factor is all-reduced over it); lengths "g".
+Replicated (gathered when sharded): h and s always, and t when is_causal, a window or
+sequence lengths are set (the kernels compare global query and key positions; passing each
+shard its offset would need the partitioned body to know its shard index).
   * B and the heads, when each head shard holds whole kv groups (the heads' mesh-axis
     sizes multiply to a divisor of K): no collective, forward or backward.
   * T without is_causal / window: forward no collective; backward one all-reduce (psum) of
@@ -71,6 +86,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.custom_derivatives import SymbolicZero
 from jax.sharding import NamedSharding, PartitionSpec
 
 from jaxgpu import _checks, _ffi, _implementation
@@ -100,11 +116,11 @@ def _force_path(path: str):
   """Testing hook: the CUDA kernels of every call traced in the block run main loop `path`.
 
   'auto' (the default) lets the kernels choose: 'wgmma' (Hopper) on a compute capability 9.0
-  device for head dims padded to 64, 128 or 256, else 'mma_sync' (any GPU the kernels run
-  on). Forcing one lets tests run both in one process. Read when a call is traced, like
+  device for head dims padded to 64, 128 or 256 and calls without a bias or mask, else
+  'mma_sync' (any GPU the kernels run on). Forcing one lets tests run both in one process. Read when a call is traced, like
   `implementation`: a function traced outside the block keeps the path it was traced with.
-  A forced path that cannot run a call (wgmma at H = 96, on another GPU, or in a build
-  without sm_90a code) fails that call with an error that says why; the CPU kernels take
+  A forced path that cannot run a call (wgmma at H = 96, with a bias or mask, on another
+  GPU, or in a build without sm_90a code) fails that call with an error that says why; the CPU kernels take
   'auto' only; the 'xla' implementation has no main loop to force and ignores it.
   """
   if path not in _PATHS:
@@ -121,6 +137,17 @@ _KV = "g s k h"
 _STAT = "g k r t"
 _Q_SEG = "g t"
 _KV_SEG = "g s"
+_LEN = "g"
+
+
+def _broadcast_factors(prefix: str, shape, full) -> str:
+  """The factor string of a bias or mask (Bb, Kb, Rb, Tb, Sb): "[g] k r t s", with each dim
+  that is broadcast (size 1 where the full size is not) named apart ("one<prefix>k"), so that
+  it is never sharded and the others keep q's and k's sharding."""
+  names = []
+  for name, n, m in zip("krts", shape[1:], full[1:]):
+    names.append(name if n == m else f"one{prefix}{name}")
+  return "[g] " + " ".join(names)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,8 +158,11 @@ class _Config:
   window: tuple[int, int]      # (left, right); -1: unbounded side
   has_segments: bool
   implementation: str | None   # 'cpu', 'cuda', or None (platform-generic)
-  primal_types: tuple = (None, None, None)  # of q (5-d), k, v (see _kernel_op)
+  primal_types: tuple = (None, None, None, None)  # of q (5-d), k, v, bias (see _kernel_op)
   path: int = 0                # the CUDA main loop (_PATHS); 0: the kernels choose
+  bias: str | None = None      # the bias's factor string (_broadcast_factors), None: none
+  mask: str | None = None      # the mask's
+  has_lengths: bool = False
 
   def target(self, pass_: str) -> str:
     return DOT_PRODUCT_ATTENTION.target(pass_, self.implementation)
@@ -143,12 +173,18 @@ class _Config:
     return dict(scale=np.float32(self.scale), softcap=np.float32(self.softcap),
                 causal=self.causal, window_left=np.int64(self.window[0]),
                 window_right=np.int64(self.window[1]), has_segments=self.has_segments,
-                path=np.int32(self.path))
+                path=np.int32(self.path), has_bias=self.bias is not None,
+                has_mask=self.mask is not None, has_lengths=self.has_lengths)
 
   @property
   def positional(self) -> bool:
-    """Whether keys are masked by position (causal mask or window)."""
-    return self.causal or self.window != (-1, -1)
+    """Whether keys are masked by global position (causal mask, window, or lengths: a
+    T shard would compare its local query positions with them)."""
+    return self.causal or self.window != (-1, -1) or self.has_lengths
+
+  def extra_layouts(self) -> tuple:
+    return tuple(f for f in (self.bias, self.mask) if f is not None) + (
+        (_LEN, _LEN) if self.has_lengths else ())
 
   def replicated(self) -> frozenset:
     return frozenset({"h", "s", "t"} if self.positional else {"h", "s"})
@@ -160,6 +196,16 @@ def _segments(cfg: _Config, segs):
     return segs
   empty = jnp.zeros((0,), jnp.int32)
   return empty, empty
+
+
+def _extras(cfg: _Config, extras):
+  """The bias, mask and lengths operands of an FFI call (empty arrays where absent)."""
+  it = iter(extras)
+  empty = jnp.zeros((0,), jnp.int32)
+  bias = next(it) if cfg.bias is not None else jnp.zeros((0,), jnp.float32)
+  mask = next(it) if cfg.mask is not None else jnp.zeros((0,), jnp.bool_)
+  lens = (next(it), next(it)) if cfg.has_lengths else (empty, empty)
+  return (bias, mask) + lens
 
 
 def _segment_uniform(q_seg, kv_seg):
@@ -182,61 +228,91 @@ def _bwd_segments(cfg: _Config, segs):
 # ---- inner ops: FFI calls under the shared vmap / sharding rules ---------------------------
 
 
-def _fwd_call(cfg: _Config, q, k, v, segs):
-  """q (B, T, K, R, H), k and v (B, S, K, H), segs () or (q_seg, kv_seg): (o, lse)."""
+def _fwd_call(cfg: _Config, q, k, v, segs, extras):
+  """q (B, T, K, R, H), k and v (B, S, K, H), segs () or (q_seg, kv_seg), extras: the bias
+  and mask (5-d) and the lengths that are present: (o, lse)."""
   seg_layout = (_Q_SEG, _KV_SEG) if cfg.has_segments else ()
-  layout = Layout(inputs=(_Q, _KV, _KV) + seg_layout, outputs=(_Q, _STAT),
-                  replicated=cfg.replicated())
+  layout = Layout(inputs=(_Q, _KV, _KV) + seg_layout + cfg.extra_layouts(),
+                  outputs=(_Q, _STAT), replicated=cfg.replicated())
+  n_seg = len(seg_layout)
 
-  def local_fn(q, k, v, *segs):
+  def local_fn(q, k, v, *rest):
     b, t, kh, r, _ = q.shape
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
            jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32))
-    return tuple(jax.ffi.ffi_call(cfg.target("fwd"), out)(q, k, v, *_segments(cfg, segs),
-                                                          **cfg.attrs()))
+    return tuple(jax.ffi.ffi_call(cfg.target("fwd"), out)(
+        q, k, v, *_segments(cfg, rest[:n_seg]), *_extras(cfg, rest[n_seg:]), **cfg.attrs()))
 
-  return grouped_call(local_fn, layout, q, k, v, *segs)
+  return grouped_call(local_fn, layout, q, k, v, *segs, *extras)
 
 
-def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs):
-  """(dq, dk, dv); the delta workspace is dropped. dk and dv lack t and r: an all-reduce
-  over those factors' mesh axes when they are sharded (the layout mechanism adds it)."""
+def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs, extras, want_dbias: bool):
+  """(dq, dk, dv, dbias or None); the delta workspace is dropped. dk and dv lack t and r:
+  an all-reduce over those factors' mesh axes when they are sharded (the layout mechanism
+  adds it); dbias lacks the factors its bias broadcasts over, the same way."""
   seg_layout = (_Q_SEG, _KV_SEG) if cfg.has_segments else ()
-  layout = Layout(inputs=(_Q, _KV, _KV, _Q, _STAT, _Q) + seg_layout,
-                  outputs=(_Q, _KV, _KV, _STAT), replicated=cfg.replicated())
+  dbias_layout = (cfg.bias,) if want_dbias else ()
+  layout = Layout(inputs=(_Q, _KV, _KV, _Q, _STAT, _Q) + seg_layout + cfg.extra_layouts(),
+                  outputs=(_Q, _KV, _KV, _STAT) + dbias_layout, replicated=cfg.replicated())
+  n_seg = len(seg_layout)
 
-  def local_fn(q, k, v, o, lse, do, *segs):
+  def local_fn(q, k, v, o, lse, do, *rest):
+    extras = _extras(cfg, rest[n_seg:])
+    dbias = (extras[0].shape if want_dbias else (0,))
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32))
-    return tuple(jax.ffi.ffi_call(cfg.target("bwd"), out)(
-        q, k, v, o, lse, do, *_bwd_segments(cfg, segs), **cfg.attrs()))
+           jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
+           jax.ShapeDtypeStruct(dbias, jnp.float32))
+    outs = jax.ffi.ffi_call(cfg.target("bwd"), out)(
+        q, k, v, o, lse, do, *_bwd_segments(cfg, rest[:n_seg]), *extras, **cfg.attrs(),
+        has_dbias=want_dbias)
+    return tuple(outs) if want_dbias else tuple(outs[:4])
 
-  dq, dk, dv, _ = grouped_call(local_fn, layout, q, k, v, o, lse, do, *segs)
-  return dq, dk, dv
+  outs = grouped_call(local_fn, layout, q, k, v, o, lse, do, *segs, *extras)
+  dbias = outs[4] if want_dbias else None
+  if dbias is not None and dbias.shape[0] != extras[0].shape[0]:
+    # Under vmap a batched bias that broadcasts over B is expanded to B by the group fold
+    # (jaxgpu/_kernel_op.py), and so is its gradient: summed back here.
+    dbias = dbias.sum(axis=0, keepdims=True)
+  return outs[0], outs[1], outs[2], dbias
 
 
 # ---- the differentiable op ------------------------------------------------------------------
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _attention(cfg: _Config, q, k, v, segs):
-  return _fwd_call(cfg, q, k, v, segs)[0]
+def _attention(cfg: _Config, q, k, v, segs, extras):
+  return _fwd_call(cfg, q, k, v, segs, extras)[0]
 
 
-def _attention_fwd(cfg: _Config, q, k, v, segs):
-  o, lse = _fwd_call(cfg, q, k, v, segs)
-  return o, (q, k, v, o, lse, segs)
+def _attention_fwd(cfg: _Config, q, k, v, segs, extras):
+  # symbolic_zeros: each argument arrives as a CustomVJPPrimal whose `perturbed` says
+  # whether it is differentiated; dbias (atomics into a float32 accumulator where the bias
+  # broadcasts) is computed only then. The flag travels as pytree structure, (()) or ().
+  want_dbias = cfg.bias is not None and extras[0].perturbed
+  q, k, v = q.value, k.value, v.value
+  segs = tuple(a.value for a in segs)
+  extras = tuple(a.value for a in extras)
+  o, lse = _fwd_call(cfg, q, k, v, segs, extras)
+  return o, (q, k, v, o, lse, segs, extras, ((),) if want_dbias else ())
 
 
 def _attention_bwd(cfg: _Config, res, do):
-  q, k, v, o, lse, segs = res
-  dq, dk, dv = _bwd_call(cfg, q, k, v, o, lse, do, segs)
-  dq, dk, dv = match_primal_types((dq, dk, dv), cfg.primal_types)
-  # Integer segment ids have no cotangent (None: jax's symbolic zero).
-  return dq, dk, dv, tuple(None for _ in segs)
+  q, k, v, o, lse, segs, extras, want_dbias = res
+  if isinstance(do, SymbolicZero):
+    do = jnp.zeros(do.shape, do.dtype)
+  dq, dk, dv, dbias = _bwd_call(cfg, q, k, v, o, lse, do, segs, extras, bool(want_dbias))
+  dq, dk, dv = match_primal_types((dq, dk, dv), cfg.primal_types[:3])
+  extras_ct = [None] * len(extras)
+  if dbias is not None:
+    # dbias is float32 (the kernels' accumulator); the cotangent has the bias's dtype.
+    extras_ct[0] = match_primal_types((dbias.astype(extras[0].dtype),),
+                                      cfg.primal_types[3:])[0]
+  # Integer segment ids, the bool mask and integer lengths have no cotangent (None: jax's
+  # symbolic zero).
+  return dq, dk, dv, tuple(None for _ in segs), tuple(extras_ct)
 
 
-_attention.defvjp(_attention_fwd, _attention_bwd)
+_attention.defvjp(_attention_fwd, _attention_bwd, symbolic_zeros=True)
 
 
 # ---- the head split (B, T, N, H) <-> (B, T, K, R, H) ---------------------------------------
@@ -349,15 +425,53 @@ def _check_segments(op, q_segment_ids, kv_segment_ids, b, t, s):
   return tuple(out)
 
 
-def _check(op, query, key, value, scale, is_causal, local_window_size, logit_softcap,
-           q_segment_ids, kv_segment_ids):
+def _check_broadcast(op, name, a, full, dtypes, dtype_what):
+  """A bias or mask: rank <= 4, left-padded with 1s to rank 4, each dim 1 or the full
+  (B, N, T, S) size (jax.nn's rule)."""
+  a = _checks.as_array(op, name, a)
+  if jnp.dtype(a.dtype) not in dtypes:
+    raise TypeError(f"{op}: {name} must have {dtype_what} dtype, got {a.dtype}")
+  shape = tuple(a.shape)
+  if a.ndim > 4 or any(d not in (1, f) for d, f in zip((1,) * (4 - a.ndim) + shape, full)):
+    raise ValueError(f"{op}: {name} of shape {shape} is not broadcastable to (B, N, T, S) = "
+                     f"{tuple(full)} (each dim 1 or the full size, rank <= 4)")
+  return a.reshape((1,) * (4 - a.ndim) + shape) if a.ndim < 4 else a
+
+
+_BIAS_DTYPES = tuple(jnp.dtype(d) for d in (jnp.float32, jnp.bfloat16, jnp.float16,
+                                             jnp.float64))
+
+
+def _check_lengths(op, name, lengths, b, full):
+  if lengths is None:
+    return None
+  lengths = _checks.as_array(op, name, lengths)
+  if not jnp.issubdtype(lengths.dtype, jnp.integer):
+    raise TypeError(f"{op}: {name} must have an integer dtype (int32), got {lengths.dtype}")
+  _checks.shape_is(op, name, lengths, (b,), "(B,)")
+  if not isinstance(lengths, jax.core.Tracer):
+    values = np.asarray(lengths)
+    if values.size and (values.min() < 0 or values.max() > full):
+      raise ValueError(f"{op}: {name} must lie in [0, {full}], got values in "
+                       f"[{values.min()}, {values.max()}]")
+  return lengths if lengths.dtype == jnp.int32 else jnp.asarray(lengths).astype(jnp.int32)
+
+
+def _check(op, query, key, value, bias, mask, scale, is_causal, local_window_size,
+           logit_softcap, q_segment_ids, kv_segment_ids, query_seq_lengths,
+           key_value_seq_lengths):
   arrays = {}
   for name, a in (("query", query), ("key", key), ("value", value)):
-    a = _checks.float_array(op, name, a)
-    if a.ndim != 4:
-      dims = "(B, T, N, H)" if name == "query" else "(B, S, K, H)"
-      raise ValueError(f"{op}: {name} must have rank 4 {dims}, got shape {tuple(a.shape)}")
-    arrays[name] = a
+    arrays[name] = _checks.float_array(op, name, a)
+  ranks = {a.ndim for a in arrays.values()}
+  rank = arrays["query"].ndim
+  if len(ranks) != 1 or rank not in (3, 4):
+    raise ValueError(f"{op}: query, key and value must have rank 4 (B, T, N, H) / "
+                     f"(B, S, K, H), or all rank 3 without the batch axis, got shapes "
+                     f"{tuple(tuple(a.shape) for a in arrays.values())}")
+  unbatched = rank == 3
+  if unbatched:  # jax.nn's (T, N, H): a batch of one
+    arrays = {k: a[None] for k, a in arrays.items()}
   query, key, value = arrays["query"], arrays["key"], arrays["value"]
   _checks.same_dtype(op, "key", key, "query", query)
   _checks.same_dtype(op, "value", value, "query", query)
@@ -378,40 +492,98 @@ def _check(op, query, key, value, scale, is_causal, local_window_size, logit_sof
   window = _check_window(op, local_window_size)
   softcap = (None if logit_softcap is None
              else _checks.positive_finite(op, "logit_softcap", logit_softcap))
+  if unbatched:
+    q_segment_ids, kv_segment_ids = (None if a is None else _checks.as_array(op, name, a)[None]
+                                     for name, a in (("q_segment_ids", q_segment_ids),
+                                                     ("kv_segment_ids", kv_segment_ids)))
   segs = _check_segments(op, q_segment_ids, kv_segment_ids, b, t, s)
-  return query, key, value, scale, is_causal, window, softcap, segs
+  full = (b, n, t, s)
+  if bias is not None:
+    bias = _check_broadcast(op, "bias", bias, full, _BIAS_DTYPES, "a floating")
+  if mask is not None:
+    mask = _check_broadcast(op, "mask", mask, full, (jnp.dtype(jnp.bool_),), "bool")
+  lengths = (_check_lengths(op, "query_seq_lengths", query_seq_lengths, b, t),
+             _check_lengths(op, "key_value_seq_lengths", key_value_seq_lengths, b, s))
+  return (query, key, value, bias, mask, scale, is_causal, window, softcap, segs, lengths,
+          unbatched)
 
 
-def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
-                          local_window_size=None, logit_softcap=None, q_segment_ids=None,
-                          kv_segment_ids=None, implementation=None):
-  """Scaled dot-product attention, fused (FlashAttention-style), jax.nn conventions.
+def _kernel_extras(query, key, bias, mask, lengths):
+  """The bias and mask as (Bb, Kb, Rb, Tb, Sb) (a free reshape of their head dim, whose
+  size is N or 1) with their factor strings, and both lengths (a missing side: its full
+  length), for the kernels. A bias that is neither float32 nor query's dtype is cast to
+  float32 (exact)."""
+  b, t, n, _ = query.shape
+  s, kh = key.shape[1], key.shape[2]
+  full = (b, kh, n // kh, t, s)
+  out, layouts = [], {}
+  for name, a in (("bias", bias), ("mask", mask)):
+    if a is None:
+      layouts[name] = None
+      continue
+    if name == "bias" and a.dtype not in (jnp.dtype(jnp.float32), query.dtype):
+      a = a.astype(jnp.float32)
+    bb, nb, tb, sb = a.shape
+    a = a.reshape((bb, kh, n // kh, tb, sb) if nb == n else (bb, 1, 1, tb, sb))
+    layouts[name] = _broadcast_factors(name[0], a.shape, full)
+    out.append(a)
+  has_lengths = lengths[0] is not None or lengths[1] is not None
+  if has_lengths:
+    out += [jnp.full((b,), t, jnp.int32) if lengths[0] is None else lengths[0],
+            jnp.full((b,), s, jnp.int32) if lengths[1] is None else lengths[1]]
+  return tuple(out), layouts["bias"], layouts["mask"], has_lengths
+
+
+def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
+                          is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
+                          local_window_size=None, implementation=None, return_residual=False,
+                          logit_softcap=None, q_segment_ids=None, kv_segment_ids=None):
+  """Scaled dot-product attention, fused (FlashAttention-style): a drop-in for
+  jax.nn.dot_product_attention (its whole signature and semantics; differences below).
 
   Args:
-    query: (B, T, N, H) float32, bfloat16 or float16: T queries, N heads, head dim H in
-      [1, 256] (any, e.g. 59 or 111).
-    key, value: (B, S, K, H), the dtype of query; N must be a multiple of K (MHA: K = N;
-      GQA; MQA: K = 1). Query head n reads kv head n // (N // K), as
+    query: (B, T, N, H) or (T, N, H) (no batch axis, as jax.nn), float32, bfloat16 or
+      float16: T queries, N heads, head dim H in [1, 256] (any, e.g. 59 or 111).
+    key, value: (B, S, K, H) (or (S, K, H)), the dtype of query; N must be a multiple of K
+      (MHA: K = N; GQA; MQA: K = 1). Query head n reads kv head n // (N // K), as
       jax.nn.dot_product_attention. T != S is allowed.
+    bias: None or a float array broadcastable to (B, N, T, S) (rank <= 4, left-padded with
+      1s as jax.nn; with rank-3 inputs, to (N, T, S)), added to the logits after the scale
+      and the softcap, before the masks. A dim of size 1 is read with stride 0, never
+      materialized. Differentiable: its gradient (dS summed over the broadcast dims) has
+      its shape and dtype. float32 or query's dtype run as is; another float dtype is cast
+      to float32 for the kernels.
+    mask: None or a bool array broadcastable to (B, N, T, S) (the same rule): False masks
+      the logit out (jax.nn's convention).
     scale: static finite float; default 1 / sqrt(H).
     is_causal: static bool. Query i sees keys j <= i, top-left aligned as
       ``jnp.tril(ones((T, S)))`` (jax.nn's causal mask, also for T != S).
+    query_seq_lengths, key_value_seq_lengths: None or integer (B,) arrays (int32; (1,) for
+      rank-3 inputs): batch row b's queries i >= query_seq_lengths[b] output zeros (and get
+      zero gradients), and its keys j >= key_value_seq_lengths[b] are invisible (a padded
+      batch). The kernels skip the tiles past the lengths (no work), not mask them.
+      Concrete lengths must lie in [0, T] / [0, S]; traced ones are clamped to it.
     local_window_size: None, an int w (= (w, w)) or a (left, right) pair of ints >= 0:
       query i sees keys i - left <= j <= i + right (jax.nn's window mask).
-    logit_softcap: None or a static float c > 0: logits -> c * tanh(logits / c), after the
-      scale and before the masks (Gemma 2).
-    q_segment_ids, kv_segment_ids: (B, T) and (B, S) integer ids (converted to int32), both
-      or neither: query i sees key j only when their ids are equal (packed sequences).
     implementation: None (the FFI kernel of the platform the computation runs on), 'cuda',
       'cpu', or 'xla' (the pure-JAX reference, jaxgpu.reference.attention.dot_product_attention).
       The CUDA kernels take bfloat16 and float16 only: with float32 inputs, None on a
       machine whose JAX has a CUDA backend runs the 'xla' reference instead, and 'cuda'
-      raises ValueError.
+      raises ValueError. jax.nn's 'cudnn' is not one of them (ValueError).
+    return_residual: False only (jax.nn's True, returning the log-sum-exp too, is not
+      supported: ValueError).
+    logit_softcap: None or a static float c > 0: logits -> c * tanh(logits / c), after the
+      scale, before the bias and the masks (Gemma 2; jax.nn has no softcap).
+    q_segment_ids, kv_segment_ids: (B, T) and (B, S) ((T,) and (S,) with rank-3 inputs)
+      integer ids (converted to int32), both or neither: query i sees key j only when their
+      ids are equal (packed sequences).
 
   Returns:
-    (B, T, N, H) in query's dtype. Every option combines with the others and with GQA.
-    A query with no visible key (all masked: window, segments) outputs zeros and gets a
-    zero gradient, never NaN (jax.nn would output the mean of the values).
+    query's shape, in query's dtype. Every option combines with the others and with GQA.
+    A query with no visible key (all masked: window, segments, mask, a key length of 0)
+    outputs zeros and gets a zero gradient, never NaN. jax.nn differs there: its masks
+    use a large negative logit rather than -inf, so such a row outputs the mean of the
+    values (of all S keys); query rows past query_seq_lengths are zeros in both.
 
   Equivalent pure JAX (jaxgpu.reference.attention.dot_product_attention)::
 
@@ -421,9 +593,13 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
                         preferred_element_type=jnp.float32) * scale
     if logit_softcap:
       logits = logit_softcap * jnp.tanh(logits / logit_softcap)
+    logits = logits + bias                                         # broadcast
     i, j = jnp.arange(T)[:, None], jnp.arange(S)[None, :]
     keep = (j <= i) & (j >= i - left) & (j <= i + right)           # the parts that apply
     keep = keep & (q_segment_ids[:, None, :, None] == kv_segment_ids[:, None, None, :])
+    keep = keep & mask
+    keep = keep & (i < query_seq_lengths[:, None, None, None])
+    keep = keep & (j < key_value_seq_lengths[:, None, None, None])
     logits = jnp.where(keep, logits, -jnp.inf)
     m = jnp.max(logits, -1, keepdims=True)
     e = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))
@@ -433,20 +609,42 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
                      preferred_element_type=jnp.float32).astype(query.dtype)
 
   Memory (see the module docstring): the forward pass allocates o and a float32
-  log-sum-exp of B*N*T, kept for the backward pass with q, k, v (no copies); the backward
-  pass allocates dq, dk, dv and a float32 workspace of B*N*T. No T x S array, in either
-  pass. For H % 8 != 0 the kernels run on zero-padded copies of q, k, v (and do).
+  log-sum-exp of B*N*T, kept for the backward pass with q, k, v, and the bias, mask,
+  lengths and segment ids (the inputs themselves, no copies); the backward pass allocates
+  dq, dk, dv and a float32 workspace of B*N*T, and, when the bias is differentiated, a
+  float32 dbias of the bias's own shape (the kernels' accumulator; where the bias
+  broadcasts over some dim, the contributions are added into it atomically) cast to the
+  bias's dtype. No T x S array and no broadcast copy of the bias or mask, in either pass.
+  For H % 8 != 0 the kernels run on zero-padded copies of q, k, v (and do).
 
   Gradients for query, key and value come from one backward kernel (dk and dv already
-  reduced over each kv head's query heads); segment ids get none. Works under jit, grad,
-  vmap, shard_map and pmap; under jit with sharded inputs B and the heads keep their
-  sharding with no collective (see the module docstring for T, S and H). Forward-mode AD
-  (jax.jvp) is not supported (custom_vjp).
+  reduced over each kv head's query heads), and for the bias from the same pass; segment
+  ids, the mask and the lengths get none. Works under jit, grad, vmap, shard_map and pmap;
+  under jit with sharded inputs B and the heads keep their sharding with no collective,
+  the bias and mask sharded along with them (their broadcast dims are never sharded; see
+  the module docstring for T, S and H). Forward mode (jax.jvp) and second derivatives
+  run the reference. The backward is deterministic except dbias where the bias broadcasts over
+  some dim on the CUDA kernels (float32 atomic adds; the CPU kernel adds in a fixed order).
   """
   op = "dot_product_attention"
-  query, key, value, scale, is_causal, window, softcap, segs = _check(
-      op, query, key, value, scale, is_causal, local_window_size, logit_softcap,
-      q_segment_ids, kv_segment_ids)
+  if implementation == "cudnn":
+    raise ValueError(f"{op}: implementation='cudnn' is jax.nn's; jaxgpu's implementation "
+                     "takes None, 'cuda', 'cpu' or 'xla' (call jax.nn.dot_product_attention "
+                     "for cuDNN)")
+  if return_residual is not False:
+    raise ValueError(f"{op}: return_residual=True (jax.nn's log-sum-exp output) is not "
+                     "supported; pass False")
+  (query, key, value, bias, mask, scale, is_causal, window, softcap, segs, lengths,
+   unbatched) = _check(op, query, key, value, bias, mask, scale, is_causal, local_window_size,
+                       logit_softcap, q_segment_ids, kv_segment_ids, query_seq_lengths,
+                       key_value_seq_lengths)
+  out = _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softcap, segs,
+                  lengths, implementation)
+  return out[0] if unbatched else out
+
+
+def _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softcap, segs,
+              lengths, implementation):
   impl = _implementation.resolve(implementation)
   if jnp.dtype(query.dtype) not in _CUDA_DTYPES:
     if implementation == "cuda":
@@ -458,8 +656,10 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
       impl = "xla"
   if impl == "xla" or query.size == 0 or key.size == 0 or value.size == 0:
     return reference.dot_product_attention(
-        query, key, value, scale=scale, is_causal=is_causal, local_window_size=window,
-        logit_softcap=softcap, q_segment_ids=segs[0], kv_segment_ids=segs[1])
+        query, key, value, bias, mask, scale=scale, is_causal=is_causal,
+        local_window_size=window, logit_softcap=softcap, q_segment_ids=segs[0],
+        kv_segment_ids=segs[1], query_seq_lengths=lengths[0],
+        key_value_seq_lengths=lengths[1])
 
   if scale <= 0:
     # The kernels take scale > 0 and fold it into their exp2 argument (one FFMA per logit;
@@ -474,10 +674,15 @@ def dot_product_attention(query, key, value, *, scale=None, is_causal=False,
     widths = ((0, 0),) * 3 + ((0, pad),)
     query, key, value = (jnp.pad(a, widths) for a in (query, key, value))
   q5 = _split_heads(query, key.shape[2])
+  extras, bias_layout, mask_layout, has_lengths = _kernel_extras(query, key, bias, mask,
+                                                                 lengths)
   cfg = _Config(scale=scale, softcap=0.0 if softcap is None else softcap, causal=is_causal,
                 window=(-1, -1) if window is None else window,
                 has_segments=segs[0] is not None, implementation=impl,
-                primal_types=primal_types(q5, key, value), path=_PATHS[_forced_path.get()])
-  o = _merge_heads(_attention(cfg, q5, key, value, segs if segs[0] is not None else ()),
+                primal_types=primal_types(q5, key, value,
+                                          extras[0] if bias_layout is not None else None),
+                path=_PATHS[_forced_path.get()], bias=bias_layout, mask=mask_layout,
+                has_lengths=has_lengths)
+  o = _merge_heads(_attention(cfg, q5, key, value, segs if segs[0] is not None else (), extras),
                    query)
   return o[..., :h] if pad else o

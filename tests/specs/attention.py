@@ -106,8 +106,14 @@ def np_keep(case: Case, q_seg=None, kv_seg=None) -> np.ndarray:
   return keep
 
 
-def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residual=None):
+def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residual=None,
+                 bias=None, keep=None):
   """float64 attention o; with `do`, (o, (dq, dk, dv)): the analytic gradients of <o, do>.
+
+  bias: None or an array broadcastable to (B, N, T, S) added after the softcap; then the
+  gradients end with dbias (dS summed over its broadcast dims, in its shape). keep: None or
+  a bool array broadcastable to (B, N, T, S), anded with the case's masks (a mask, the
+  sequence lengths: `np_extra_keep`).
 
   With `o_residual` also a third item, the residual atols (dq, dk, dv): the backward
   kernels form delta = rowsum(do * o) from o ROUNDED to the op's dtype (the residual they
@@ -130,7 +136,10 @@ def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residu
     logits = cap * th
   else:
     logits = raw
-  keep = np.broadcast_to(np_keep(case, q_seg, kv_seg), logits.shape)
+  if bias is not None:
+    logits = logits + oracle.as_f64(bias)
+  base = np_keep(case, q_seg, kv_seg)
+  keep = np.broadcast_to(base if keep is None else base & np.asarray(keep), logits.shape)
   masked = np.where(keep, logits, -np.inf)
   m = masked.max(-1, keepdims=True) if s else np.zeros(masked.shape[:-1] + (1,))
   m = np.where(np.isfinite(m), m, 0.0)
@@ -150,11 +159,19 @@ def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residu
     return ((scale * (ds @ kr)).transpose(0, 2, 1, 3),
             per_kv_head(scale * (ds.swapaxes(-1, -2) @ qh)))
 
+  def reduce_to_bias(a):  # (B, N, T, S) summed over the bias's broadcast dims
+    shape = np.shape(bias)
+    full = (1,) * (4 - len(shape)) + tuple(shape)
+    axes = tuple(d for d in range(4) if full[d] == 1 and a.shape[d] != 1)
+    return a.sum(axis=axes, keepdims=True).reshape(shape)
+
   doh = oracle.as_f64(do).transpose(0, 2, 1, 3)
   dp = doh @ vr.swapaxes(-1, -2)
   delta = (p * dp).sum(-1, keepdims=True)
   dq, dk = dq_dk(p * (dp - delta))
   grads = (dq, dk, per_kv_head(p.swapaxes(-1, -2) @ doh))
+  if bias is not None:
+    grads += (reduce_to_bias(p * (dp - delta)),)
   if o_residual is None:
     return o, grads
   delta_res = (doh * oracle.as_f64(o_residual).transpose(0, 2, 1, 3)).sum(-1)[..., None]
@@ -166,16 +183,38 @@ def np_attention(case: Case, q, k, v, q_seg=None, kv_seg=None, do=None, o_residu
   sums = 2 * h * u32 * (np.abs(doh) @ np.abs(vr).swapaxes(-1, -2)) * p
   sums_dq = scale * (sums @ np.abs(kr)).transpose(0, 2, 1, 3)
   sums_dk = per_kv_head(scale * (sums.swapaxes(-1, -2) @ np.abs(qh)))
-  return o, grads, (float(np.abs(shift[0]).max(initial=0.0) + sums_dq.max(initial=0.0)),
-                    float(np.abs(shift[1]).max(initial=0.0) + sums_dk.max(initial=0.0)), 0.0)
+  extra = (float(np.abs(shift[0]).max(initial=0.0) + sums_dq.max(initial=0.0)),
+           float(np.abs(shift[1]).max(initial=0.0) + sums_dk.max(initial=0.0)), 0.0)
+  if bias is not None:
+    extra += (float(np.abs(reduce_to_bias(-p * (delta_res - delta))).max(initial=0.0)
+                    + reduce_to_bias(sums).max(initial=0.0)),)
+  return o, grads, extra
+
+
+def np_extra_keep(t: int, s: int, mask=None, q_lengths=None, kv_lengths=None):
+  """The bool (B or 1, N or 1, T, S) array that a mask and sequence lengths keep, or None."""
+  keep = None
+  if mask is not None:
+    keep = np.asarray(mask)
+    keep = keep.reshape((1,) * (4 - keep.ndim) + keep.shape)
+  for lengths, axis, n in ((q_lengths, 2, t), (kv_lengths, 3, s)):
+    if lengths is None:
+      continue
+    shape = [1, 1, 1, 1]
+    shape[axis] = n
+    lens = np.asarray(lengths).reshape(-1, 1, 1, 1)
+    rows = np.arange(n).reshape(shape) < lens
+    keep = rows if keep is None else keep & rows
+  return keep
 
 
 # ---- the low-precision jnp reference --------------------------------------------------------
 
 
-def jnp_attention(opts: Opts, q, k, v, q_seg=None, kv_seg=None):
+def jnp_attention(opts: Opts, q, k, v, q_seg=None, kv_seg=None, bias=None, extra_keep=None):
   """Attention at the op's precision (see the module docstring), by a (K, R) split of
-  the query heads rather than jaxgpu.reference's repeat of the kv heads."""
+  the query heads rather than jaxgpu.reference's repeat of the kv heads. bias and keep:
+  as np_attention's (broadcastable to (B, N, T, S))."""
   b, t, n, h = q.shape
   s, kh = k.shape[1], k.shape[2]
   r = n // kh
@@ -185,6 +224,14 @@ def jnp_attention(opts: Opts, q, k, v, q_seg=None, kv_seg=None):
                       preferred_element_type=acc) * scale
   if opts.softcap is not None:
     logits = opts.softcap * jnp.tanh(logits / opts.softcap)
+
+  def split_heads(a):  # (.., N or 1, T or 1, S or 1) -> (B or 1, K or 1, R or 1, ...)
+    a = a.reshape((1,) * (4 - a.ndim) + a.shape)
+    bb, nb, tb, sb = a.shape
+    return a.reshape((bb, kh, r, tb, sb) if nb == n else (bb, 1, 1, tb, sb))
+
+  if bias is not None:
+    logits = logits + split_heads(bias).astype(acc)
   i = jnp.arange(t)[:, None]
   j = jnp.arange(s)[None, :]
   keep = jnp.ones((t, s), bool)
@@ -196,6 +243,8 @@ def jnp_attention(opts: Opts, q, k, v, q_seg=None, kv_seg=None):
   keep = keep[None, None, None]
   if q_seg is not None:
     keep = keep & (q_seg[:, None, None, :, None] == kv_seg[:, None, None, None, :])
+  if extra_keep is not None:
+    keep = keep & split_heads(jnp.asarray(extra_keep))
   logits = jnp.where(keep, logits, -jnp.inf)
   m = jax.lax.stop_gradient(jnp.max(logits, -1, keepdims=True, initial=-jnp.inf))
   e = jnp.exp(logits - jnp.where(m == -jnp.inf, 0.0, m))

@@ -12,8 +12,12 @@
 // Splitting dQ from dK/dV costs two extra products (7 instead of FlashAttention-2's 5) and
 // buys determinism without a float32 dQ accumulator in memory or atomics; the GQA sum over
 // a kv head's query heads happens in registers.
+// kExtra (bias, mask, sequence lengths: attention_extras.cuh): the dQ kernel also writes
+// dbias, the gradient of the logit after the softcap, where it computes dS (each (b, n, i,
+// j) once: a plain store, or float32 atomics where the bias broadcasts).
 #include <cuda_runtime.h>
 
+#include "attention/attention_extras.cuh"
 #include "attention/attention_launch.cuh"
 #include "attention/attention_mask.cuh"
 #include "attention/attention_schedule.cuh"
@@ -44,8 +48,9 @@ struct DqTraits {
   static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kExtra>
 __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, LogitScale ls) {
+  static_assert(kMaskable || !kExtra, "the extras mask");
   constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
@@ -63,12 +68,13 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
   const QueryTile tile = DecodeQueryTile<kMaskable>(p, kM);
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
-  const Mask mask = MakeMask(p, b);
+  const Mask mask = MakeMask<kExtra>(p, b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
   const int row0 = m0 + warp * kMT * 16;  // this warp's first query
+  const Extras<T> ex = MakeExtras<T>(p, b, tile.kh, ls);
 
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
@@ -89,7 +95,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
   Zero(acc_dq);
 
   const int row1 = min(row0 + kMT * 16, mask.q_len) - 1;
-  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, row0, row1, kN);
+  const TileWalk walk = MakeTileWalk<true, kExtra>(mask, m0, m_last, row0, row1, kN);
   const int n_begin = walk.begin, n_end = walk.end;
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
@@ -127,6 +133,30 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
     for (int mi = 0; mi < kMT; ++mi) {
       ToLogits<false, kN, kSoftcap>(s[mi], ls, mask, tm.masked, row0 + mi * 16, n0,
                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
+      if constexpr (kExtra) {
+        if (ex.Any()) {
+          // p from the biased, masked logit; the softcap's slope from ToLogits's output.
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const auto row =
+                ex.template RowAt<false>(static_cast<int>(tile.r), row0 + mi * 16 + g + 8 * h);
+#pragma unroll
+            for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+              for (int c = 0; c < 2; ++c) {
+                const int e = 2 * h + c, k = n0 + 8 * j + 2 * (lane & 3) + c;
+                const float x = s[mi][j][e];
+                const float pr = ProbOfLogit(ex.template Apply<false>(x, row, k), lse2[mi][h], ls);
+                const float grad = pr * (dp[mi][j][e] - delta[mi][h]);
+                ex.AddBiasGrad(grad, row, k);
+                dp[mi][j][e] = GradWeight<kSoftcap>(x, grad);
+                s[mi][j][e] = pr;
+              }
+            }
+          }
+          continue;
+        }
+      }
 #pragma unroll
       for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
@@ -141,7 +171,8 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
 #pragma unroll
   for (int mi = 0; mi < kMT; ++mi) {
     StoreAccumulator<T, kHeadDim>(dq, off.q_ld, acc_dq[mi], ls.scale, (warp * kMT + mi) * 16,
-                                  mask.q_len - m0, 0, H, lane);
+                                  (kExtra ? static_cast<int>(p.q_len) : mask.q_len) - m0, 0, H,
+                                  lane);
   }
 }
 
@@ -185,8 +216,9 @@ struct DkvTraits {
   static_assert(kExchangeOffset % 16 == 0, "float4 exchange");
 };
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kExtra>
 __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, LogitScale ls) {
+  static_assert(kMaskable || !kExtra, "the extras mask");
   constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kN = Tr::kBlockN, kM = Tr::kBlockM, kAcc = Tr::kAccDim;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
@@ -212,10 +244,11 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
   const int slice = blockIdx.x % Tr::kSlices;
   const KeyTile tile =
       DecodeKeyTile<kMaskable>(p, static_cast<int64_t>(blockIdx.x / Tr::kSlices), n_blocks);
-  const Mask mask = MakeMask(p, tile.b);
+  const Mask mask = MakeMask<kExtra>(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int n0 = tile.n_block * kN;
+  const Extras<T> ex = MakeExtras<T>(p, tile.b, tile.kh, ls);
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
   const int pair_row0 = pair * Tr::kPairKeys;
@@ -229,7 +262,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
   Zero(acc);
 
   const int key1 = min(key0 + Tr::kPairKeys, mask.kv_len) - 1;
-  const TileWalk walk = MakeTileWalk<false>(mask, n0, n_last, key0, key1, kM);
+  const TileWalk walk = MakeTileWalk<false, kExtra>(mask, n0, n_last, key0, key1, kM);
   const int m_begin = walk.begin, m_count = walk.end - walk.begin;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
   using StepCursor = GroupStepCursor<Tr::kBuffers>;
@@ -269,6 +302,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
     if (step < 0 || step >= steps) continue;
     const int m0 = (m_begin + mine.tile) * kM;
     const int buf = mine.buf;
+    const int step_r = mine.r;  // the step's query head
     mine.Next(m_count);
     // Both warps of a pair make the same skip decisions (same keys, same queries): a step
     // the probs warp skips leaves no P for the dS warp, which skips it too.
@@ -302,7 +336,16 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
           float w[4];
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            const float pr = ProbOfLogit(x[mi][j][e], lse2[e & 1], ls);
+            float biased = x[mi][j][e];
+            if constexpr (kExtra) {
+              // p from the biased, masked logit; the softcap's slope from ToLogits's output.
+              if (ex.Any()) {
+                const auto row =
+                    ex.template RowAt<true>(step_r, key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
+                biased = ex.template Apply<true>(biased, row, m0 + 8 * j + 2 * t + (e & 1));
+              }
+            }
+            const float pr = ProbOfLogit(biased, lse2[e & 1], ls);
             w[e] = GradWeight<kSoftcap>(x[mi][j][e], pr);
             x[mi][j][e] = pr;
           }
@@ -337,8 +380,9 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
   const float mul = probs_warp ? 1.f : ls.scale;
 #pragma unroll
   for (int mi = 0; mi < 2; ++mi) {
-    StoreAccumulator<T, kAcc>(dst, off0.kv_ld, acc[mi], mul, pair_row0 + 16 * mi, mask.kv_len - n0,
-                              col0, H, lane);
+    StoreAccumulator<T, kAcc>(dst, off0.kv_ld, acc[mi], mul, pair_row0 + 16 * mi,
+                              (kExtra ? static_cast<int>(p.kv_len) : mask.kv_len) - n0, col0, H,
+                              lane);
   }
 }
 
@@ -347,11 +391,15 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
 cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
-      // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, kMaskable, kSoftcap>, p,
-                                                   stream);
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
+        if (HasExtras(p)) {
+          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, true, kSoftcap, true>,
+                                                   p, stream);
+        }
+        // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
+          return LaunchOverQueryTiles<DqTraits<D>>(
+              DqKernel<T, DqTraits<D>, kMaskable, kSoftcap, false>, p, stream);
         });
       });
     });
@@ -361,12 +409,16 @@ cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
 cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
-      // The mask decided on DqTraits's key tile, as for dQ: the dK/dV kernel's own tails
-      // need none (its keys past S are rows it never stores, its queries past T get p = 0).
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
-          return LaunchOverKeyTiles<DkvTraits<D>>(DkvKernel<T, DkvTraits<D>, kMaskable, kSoftcap>,
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
+        if (HasExtras(p)) {
+          return LaunchOverKeyTiles<DkvTraits<D>>(DkvKernel<T, DkvTraits<D>, true, kSoftcap, true>,
                                                   p, stream);
+        }
+        // The mask decided on DqTraits's key tile, as for dQ: the dK/dV kernel's own tails
+        // need none (its keys past S are rows it never stores, its queries past T get p = 0).
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
+          return LaunchOverKeyTiles<DkvTraits<D>>(
+              DkvKernel<T, DkvTraits<D>, kMaskable, kSoftcap, false>, p, stream);
         });
       });
     });

@@ -9,6 +9,7 @@
 // measured ~140 TFLOP/s here with its other costs.)
 #include <cuda_runtime.h>
 
+#include "attention/attention_extras.cuh"
 #include "attention/attention_launch.cuh"
 #include "attention/attention_mask.cuh"
 #include "attention/attention_schedule.cuh"
@@ -40,9 +41,12 @@ struct FwdTraits {
   static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+// kExtra (with kMaskable): the bias, the mask and the sequence lengths (attention_extras.cuh,
+// MakeMask<true>), read only by these instantiations.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kExtra>
 __global__ void __launch_bounds__(Tr::kThreads)
     AttentionFwdKernel(AttentionParams p, LogitScale ls) {
+  static_assert(kMaskable || !kExtra, "the extras mask");
   constexpr int kHeadDim = Tr::kHeadDim;
   constexpr int kM = Tr::kBlockM, kN = Tr::kBlockN, kMT = Tr::kMTiles;
   constexpr int kStride = SmemTile<kHeadDim>::kStride;
@@ -56,11 +60,12 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const QueryTile tile = DecodeQueryTile<kMaskable>(p, kM);
   const int64_t b = tile.b;
   const HeadOffsets off = MakeHeadOffsets(p, b, tile.kh, tile.r);
-  const Mask mask = MakeMask(p, b);
+  const Mask mask = MakeMask<kExtra>(p, b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
+  const Extras<T> ex = MakeExtras<T>(p, b, tile.kh, ls);
 
   const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
   const T* k = static_cast<const T*>(p.k) + off.kv;
@@ -70,7 +75,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
 
   const int warp_row0 = m0 + warp * kMT * 16;
   const int warp_row1 = min(warp_row0 + kMT * 16, mask.q_len) - 1;
-  const TileWalk walk = MakeTileWalk<true>(mask, m0, m_last, warp_row0, warp_row1, kN);
+  const TileWalk walk = MakeTileWalk<true, kExtra>(mask, m0, m_last, warp_row0, warp_row1, kN);
   const int n_begin = walk.begin, n_end = walk.end;
 
   float acc_o[kMT][kHeadDim / 8][4];
@@ -118,6 +123,12 @@ __global__ void __launch_bounds__(Tr::kThreads)
     for (int mi = 0; mi < kMT; ++mi) {
       ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, warp_row0 + mi * 16, n0,
                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
+      if constexpr (kExtra) {
+        if (ex.Any()) {
+          ApplyExtras<false, kN>(acc_s[mi], ex, static_cast<int>(tile.r), warp_row0 + mi * 16, n0,
+                                 lane);
+        }
+      }
       OnlineSoftmax<kN>(acc_s[mi], row_max[mi], row_sum[mi], correction[mi], ls.fold);
     }
     uint32_t p_frags[kN / 16][kMT][4];
@@ -129,8 +140,20 @@ __global__ void __launch_bounds__(Tr::kThreads)
     AccumulatePacked<T, kN, kHeadDim, kHeadDim, kMT>(acc_o, p_frags, sv_nb, 0, H, lane);
   }
 
+  if constexpr (kExtra) {
+    // Rows past the batch row's query length output zeros (lse = -inf), stored below up
+    // to T like every other row.
+#pragma unroll
+    for (int mi = 0; mi < kMT; ++mi) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (warp_row0 + mi * 16 + (lane >> 2) + 8 * h >= mask.q_len) row_sum[mi][h] = 0.f;
+      }
+    }
+  }
   StoreOutputRows<T, kMT, kHeadDim>(o, lse, off.q_ld, acc_o, row_max, row_sum, ls.fold,
-                                    warp * kMT * 16, m0, mask.q_len, H, lane);
+                                    warp * kMT * 16, m0,
+                                    kExtra ? static_cast<int>(p.q_len) : mask.q_len, H, lane);
 }
 
 }  // namespace
@@ -138,11 +161,15 @@ __global__ void __launch_bounds__(Tr::kThreads)
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
-      // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
-      return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
-        return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
+        if (HasExtras(p)) {
           return LaunchOverQueryTiles<FwdTraits<D>>(
-              AttentionFwdKernel<T, FwdTraits<D>, kMaskable, kSoftcap>, p, stream);
+              AttentionFwdKernel<T, FwdTraits<D>, true, kSoftcap, true>, p, stream);
+        }
+        // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
+          return LaunchOverQueryTiles<FwdTraits<D>>(
+              AttentionFwdKernel<T, FwdTraits<D>, kMaskable, kSoftcap, false>, p, stream);
         });
       });
     });

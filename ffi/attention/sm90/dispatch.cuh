@@ -10,13 +10,15 @@
 namespace jaxgpu::cuda::attention::sm90 {
 
 // One configuration of a wgmma kernel: element type, traits, and the kernel switches.
-template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_, bool kRowSplit_ = false>
+template <typename T_, typename Tr, bool kMaskable_, bool kSoftcap_, bool kRowSplit_ = false,
+          bool kLengths_ = false>
 struct Config {
   using T = T_;
   using Traits = Tr;
   static constexpr bool kMaskable = kMaskable_;
   static constexpr bool kSoftcap = kSoftcap_;
   static constexpr bool kRowSplit = kRowSplit_;  // kMaskable too (SplitsBySegmentRows)
+  static constexpr bool kLengths = kLengths_;    // kMaskable too: sequence lengths
 };
 
 // The wgmma kernels' compile-time switches: launch(Config<...>{}) with the element
@@ -29,6 +31,8 @@ cudaError_t Dispatch(const AttentionParams& p, Launch&& launch) {
     auto run = [&](auto traits) {
       using Tr = decltype(traits);
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
+        // Sequence lengths (the wgmma main loop takes no bias or mask: Unavailable).
+        if (p.q_lengths != nullptr) return launch(Config<T, Tr, true, kSoftcap, false, true>{});
         // Not at H = 256: there the kernel with both bodies spills (dQ: 340 bytes).
         if constexpr (kRowSplits && Tr::kHeadDim <= 128) {
           if (SplitsBySegmentRows(p, Tr::kBlockN)) {

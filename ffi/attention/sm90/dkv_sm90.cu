@@ -53,7 +53,9 @@ struct Sm90DkvTraits {
 };
 
 // One CTA's work (kMaskable: with the per-tile mask decisions and the per-element mask).
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+// kLengths: with the sequence lengths (MakeMask<true>: keys past the key length get
+// dK = dV = 0, queries past the query length add nothing).
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kLengths = false>
 __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const LogitScale& ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kBuffers;
@@ -77,7 +79,7 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
   const int n_blocks = (static_cast<int>(p.kv_len) + kN - 1) / kN;
   const int slice = blockIdx.x % Tr::kSlices;
   const KeyTile tile = DecodeKeyTile<kMaskable>(p, blockIdx.x / Tr::kSlices, n_blocks);
-  const Mask mask = MakeMask(p, tile.b);
+  const Mask mask = MakeMask<kLengths>(p, tile.b);
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int n0 = tile.n_block * kN;
@@ -94,8 +96,8 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
 
   // The query tiles the CTA walks, and the span this warpgroup's keys see (its skips are
   // whole-warpgroup decisions: wgmma runs on all 4 warps together).
-  const TileWalk walk =
-      MakeTileWalk<false>(mask, n0, n_last, group_key0, min(group_key0 + 64, mask.kv_len) - 1, kM);
+  const TileWalk walk = MakeTileWalk<false, kLengths>(mask, n0, n_last, group_key0,
+                                                      min(group_key0 + 64, mask.kv_len) - 1, kM);
   const int m_begin = walk.begin, m_count = walk.end - walk.begin;
   const int steps = m_count * static_cast<int>(p.group);  // (query head r, query tile) pairs
 
@@ -242,16 +244,18 @@ __device__ __forceinline__ void DkvSm90Cta(const AttentionParams& p, const Logit
   // dK times the softmax scale: dS was taken with respect to the scaled logits.
   const int64_t out = off0.kv + n0 * off0.kv_ld;
   const int col0 = slice * kAcc;
+  const int keys = (kLengths ? static_cast<int>(p.kv_len) : mask.kv_len) - n0;
   StoreAccumulator<T, kAcc>(static_cast<T*>(p.dv) + out, off0.kv_ld, acc_dv[0], 1.f, local_key0,
-                            mask.kv_len - n0, col0, H, lane);
+                            keys, col0, H, lane);
   StoreAccumulator<T, kAcc>(static_cast<T*>(p.dk) + out, off0.kv_ld, acc_dk[0], ls.scale,
-                            local_key0, mask.kv_len - n0, col0, H, lane);
+                            local_key0, keys, col0, H, lane);
 #endif
 }
 
 // kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
 // all one segment runs the body compiled without the mask.
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit,
+          bool kLengths = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1) DkvSm90Kernel(AttentionParams p, LogitScale ls) {
   if constexpr (kRowSplit) {
     const int n_blocks = static_cast<int>(CeilDiv(p.kv_len, Tr::kBlockN));
@@ -260,7 +264,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) DkvSm90Kernel(AttentionParams
       return;
     }
   }
-  DkvSm90Cta<T, Tr, kMaskable, kSoftcap>(p, ls);
+  DkvSm90Cta<T, Tr, kMaskable, kSoftcap, kLengths>(p, ls);
 }
 
 }  // namespace
@@ -270,7 +274,8 @@ cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90DkvTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverKeyTiles<typename C::Traits>(
-        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit>,
+        DkvSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit,
+                      C::kLengths>,
         p, stream);
   });
 }

@@ -36,7 +36,8 @@ struct Sm90DqTraits
                             true> {};
 
 // One CTA's work (kMaskable: with the per-tile mask decisions and the per-element mask).
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+// kLengths: with the sequence lengths (rows past the query length: p = 0, dq = 0).
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kLengths = false>
 __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitScale& ls) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kBuf = Tr::kKVBuffers;
@@ -53,7 +54,7 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
 
   const int lane = threadIdx.x & 31;
   const int g = lane >> 2;
-  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable>(p);
+  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable, kLengths>(p);
   const HeadOffsets& off = rows.off;
   const Mask& mask = rows.mask;
   const int m0 = rows.m0, n_begin = rows.walk.begin, n_end = rows.walk.end;
@@ -191,14 +192,16 @@ __device__ __forceinline__ void DqSm90Cta(const AttentionParams& p, const LogitS
   if (pending) finish_pending(k_desc_mn + pending_buf * kBufferStep);
   // Times the softmax scale: dS was taken with respect to the scaled logits.
   T* dq = static_cast<T*>(p.dq) + off.q + m0 * off.q_ld;
-  StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, rows.local_row0, mask.q_len - m0, 0,
-                          rows.dim, lane);
+  StoreAccumulator<T, kD>(dq, off.q_ld, acc_dq[0], ls.scale, rows.local_row0,
+                          (kLengths ? static_cast<int>(p.q_len) : mask.q_len) - m0, 0, rows.dim,
+                          lane);
 #endif
 }
 
 // kRowSplit (with kMaskable; SplitsBySegmentRows): a CTA whose batch row's segment ids are
 // all one segment runs the body compiled without the mask.
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kRowSplit,
+          bool kLengths = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1) DqSm90Kernel(AttentionParams p, LogitScale ls) {
   if constexpr (kRowSplit) {
     if (RowMasksNothing(p, DecodeQueryTile<false>(p, Tr::kBlockM).b)) {
@@ -206,7 +209,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1) DqSm90Kernel(AttentionParams 
       return;
     }
   }
-  DqSm90Cta<T, Tr, kMaskable, kSoftcap>(p, ls);
+  DqSm90Cta<T, Tr, kMaskable, kSoftcap, kLengths>(p, ls);
 }
 
 }  // namespace
@@ -216,8 +219,9 @@ cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90DqTraits, true>(p, [&](auto config) {
     using C = decltype(config);
     return LaunchOverQueryTiles<typename C::Traits>(
-        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit>, p,
-        stream);
+        DqSm90Kernel<typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap, C::kRowSplit,
+                     C::kLengths>,
+        p, stream);
   });
 }
 

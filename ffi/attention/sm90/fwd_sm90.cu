@@ -42,10 +42,14 @@ struct Sm90FwdTraits : sm90::QueryTileTraits<kHeadDim, (kHeadDim > 128 ? 64 : 12
 
 // kBounded (with kSoftcap): the softmax subtracts LogitScale::bound instead of the running
 // row max (BoundedSoftmax), so the output accumulator is never rescaled.
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kBounded>
+// kLengths (with kMaskable): the batch rows' sequence lengths (MakeMask<true>); rows past
+// the query length output zeros.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kBounded,
+          bool kLengths = false>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     AttentionFwdSm90Kernel(AttentionParams p, LogitScale ls) {
   static_assert(kSoftcap || !kBounded, "only a softcap bounds the logits");
+  static_assert(kMaskable || !kLengths, "lengths mask");
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN;
   using KVTile = typename Tr::KVTile;
@@ -57,7 +61,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   int32_t* skv_seg = sq_seg + kM;  // [buffer][kN]
 
   const int lane = threadIdx.x & 31;
-  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable>(p);
+  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable, kLengths>(p);
   const HeadOffsets& off = rows.off;
   const Mask& mask = rows.mask;
   const int m0 = rows.m0, n_begin = rows.walk.begin, n_end = rows.walk.end;
@@ -201,9 +205,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
 
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
+  if constexpr (kLengths) {
+    // Rows past the batch row's query length: zeros and lse = -inf, stored up to T.
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      if (rows.warp_row0 + (lane >> 2) + 8 * h >= mask.q_len) row_sum[0][h] = 0.f;
+    }
+  }
   StoreOutputRows<T, 1, kD>(o, p.lse + off.stats + m0, off.q_ld, acc_o, row_max, row_sum,
-                            kBounded ? 1.f : ls.fold, rows.local_row0, m0, mask.q_len, rows.dim,
-                            lane);
+                            kBounded ? 1.f : ls.fold, rows.local_row0, m0,
+                            kLengths ? static_cast<int>(p.q_len) : mask.q_len, rows.dim, lane);
 #endif
 }
 
@@ -214,9 +225,9 @@ cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   return Dispatch<Sm90FwdTraits>(p, [&](auto config) {
     using C = decltype(config);
     return JAXGPU_BOOL_SWITCH(bounded, kBounded, [&] {
-      return LaunchOverQueryTiles<typename C::Traits>(AttentionFwdSm90Kernel < typename C::T,
-                                                      typename C::Traits, C::kMaskable, C::kSoftcap,
-                                                      C::kSoftcap && kBounded >, p, stream);
+      return LaunchOverQueryTiles<typename C::Traits>(
+          AttentionFwdSm90Kernel < typename C::T, typename C::Traits, C::kMaskable, C::kSoftcap,
+          C::kSoftcap && kBounded, C::kLengths >, p, stream);
     });
   });
 }

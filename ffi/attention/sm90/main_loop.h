@@ -17,6 +17,9 @@ cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream);  // dkv_sm
 
 inline const char* Unavailable(const AttentionParams& p) {
 #ifdef JAXGPU_HAS_SM90A
+  if (p.bias != nullptr || p.mask != nullptr) {
+    return "the wgmma kernels take no bias or mask (the mma_sync kernels run them)";
+  }
   const int padded = PaddedHeadDim(p.head_dim);
   if (padded != 64 && padded != 128 && padded != 256) {
     return "the wgmma kernels take head dims padded to 64, 128 or 256 (33..64, 97..128, "

@@ -49,7 +49,9 @@ struct QueryRows {
   TileWalk walk;             // kBlockN-key tiles: the CTA's, and the warpgroup's span
 };
 
-template <int kBlockM, int kBlockN, bool kMaskable>
+// kLengths: with the batch row's sequence lengths (MakeMask<true>: the walk stops at them,
+// and a CTA whose rows all lie past the query length walks nothing).
+template <int kBlockM, int kBlockN, bool kMaskable, bool kLengths = false>
 __device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
   QueryRows r;
   const int warp = threadIdx.x >> 5;
@@ -59,14 +61,14 @@ __device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
   r.local_row0 = 64 * r.group + 16 * (warp & 3);
   r.tile = DecodeQueryTile<kMaskable>(p, kBlockM);
   r.off = MakeHeadOffsets(p, r.tile.b, r.tile.kh, r.tile.r);
-  r.mask = MakeMask(p, r.tile.b);
+  r.mask = MakeMask<kLengths>(p, r.tile.b);
   r.segments = kMaskable && r.mask.q_seg != nullptr;
   r.dim = static_cast<int>(p.head_dim);
   r.m0 = r.tile.m_block * kBlockM;
   r.m_last = min(r.m0 + kBlockM, r.mask.q_len) - 1;
   const int group_row0 = r.m0 + 64 * r.group;
-  r.walk = MakeTileWalk<true>(r.mask, r.m0, r.m_last, group_row0,
-                              min(group_row0 + 64, r.mask.q_len) - 1, kBlockN);
+  r.walk = MakeTileWalk<true, kLengths>(r.mask, r.m0, r.m_last, group_row0,
+                                        min(group_row0 + 64, r.mask.q_len) - 1, kBlockN);
   r.warp_row0 = r.m0 + r.local_row0;
   r.warp_row1 = min(r.warp_row0 + 16, r.mask.q_len) - 1;
   return r;
