@@ -68,6 +68,11 @@ For the ops' own code: `explicit_spec` and `in_explicit_mode` read an array's Ex
 sharding (to reshape it without a relayout), `primal_types` and `match_primal_types` give
 cotangents their primals' types in a custom_vjp backward rule.
 
+Derivatives. The inner ops have no differentiation rule: forward mode and second
+derivatives run each op's reference instead (jaxgpu/_autodiff.py, applied by the ops). An
+inner op is wrapped in a jax.custom_jvp whose rule raises an error naming the op, for the
+cases the ops cannot see coming (a function traced into a jaxpr, then differentiated again).
+
 A move to jax.experimental.hijax (recommended from jax 0.11) would touch only this file.
 """
 
@@ -81,6 +86,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import NamedSharding, PartitionSpec
+
+from jaxgpu import _autodiff
 
 LocalFn = Callable[..., tuple[jax.Array, ...]]
 
@@ -288,7 +295,18 @@ def _batchable(local_fn: LocalFn, layout: Layout, partial: PartialBody | None = 
     outs = tuple(o.reshape((axis_size, o.shape[0] // axis_size) + o.shape[1:]) for o in outs)
     return outs, tuple(True for _ in outs)
 
-  return op
+  # The custom_vjp rules around this call it on values no derivative traces; one that does
+  # (a function traced into a jaxpr, then differentiated again) would fail inside jax's
+  # custom_partitioning with a message that names no op. Name it (jaxgpu/_autodiff.py).
+  @jax.custom_jvp
+  def differentiable(*args):
+    return op(*args)
+
+  @differentiable.defjvp
+  def _jvp_rule(primals, tangents):
+    _autodiff.refuse_differentiation(local_fn, primals)
+
+  return differentiable
 
 
 def _group_size(args: Sequence[jax.Array], batched=None) -> int:

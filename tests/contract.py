@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import itertools
+import os
 import pathlib
 import re
 import subprocess
@@ -518,7 +519,10 @@ def run_fresh(programs: dict, folder, cache: bool = True, timeout: float = 600) 
   cmd = [sys.executable, str(script), str(folder)] + ([str(cache_dir)] if cache else [])
   # From the test folder, not the source tree's root: `import jaxgpu` finds the installed
   # package, as a deployment would.
-  done = subprocess.run(cmd, cwd=folder, capture_output=True, text=True, timeout=timeout)
+  # This process may hold most of a GPU's memory (jax preallocates 75% by default).
+  env = dict(os.environ, XLA_PYTHON_CLIENT_PREALLOCATE="false")
+  done = subprocess.run(cmd, cwd=folder, env=env, capture_output=True, text=True,
+                        timeout=timeout)
   if done.returncode != 0:
     raise AssertionError(f"{cmd} failed ({done.returncode}):\n{done.stderr[-4000:]}")
   outputs, errors, hits = {}, {}, {}

@@ -1,12 +1,17 @@
 """The transform contract, run over every spec in tests/specs (every public op of every
-family): custom-call targets, implementation selection, forward mode, vmap, vmap of grad,
-grad of vmap, jit on a sharded (4, 2) mesh, shard_map, pmap, bad inputs, size 0, numpy
-inputs. What each case means is in tests/contract.py; each op's tables in
-tests/specs/<family>.py. Ids read `test_vmap[rms_norm-x1-bf16-cpu]`: op, case, dtype,
-implementation.
+family): custom-call targets, implementation selection, vmap, vmap of grad, grad of vmap,
+jit on a sharded (4, 2) mesh, shard_map, pmap, bad inputs, size 0, numpy inputs; and the
+compositions a model uses, one case per op on the platform's kernel: remat policies, scan
+over layers, cond, fori_loop, donation, AOT, eval_shape, forward mode and grad of grad
+(which run the reference), export round trip and the persistent compilation cache (every
+op in ONE fresh process per run: the `fresh_runs` fixture). What each case means is in
+tests/contract.py; each op's tables in tests/specs/<family>.py. Ids read
+`test_vmap[rms_norm-x1-bf16-cpu]`: op, case, dtype, implementation.
 """
 
 from __future__ import annotations
+
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -39,6 +44,15 @@ def _vmap_params(mode):
           for s in (_ALL if mode == "fwd" else _DIFF) for c in s.vmap if mode in c.modes]
 
 
+def _kernel_params(specs):
+  """(spec, the platform's kernel): the compositions below run one representative case per
+  op, on the kernel ('cuda', gpu-marked, on a GPU machine; else 'cpu')."""
+  kernel = (pytest.param("cuda", marks=pytest.mark.gpu, id="cuda") if HAS_CUDA
+            else pytest.param("cpu", id="cpu"))
+  return [pytest.param(s, kernel.values[0], id=f"{s.id}-{kernel.id}", marks=kernel.marks)
+          for s in specs]
+
+
 def _sharding_params():
   return [pytest.param(s, c, t, id=f"{s.id}-{c.id}-{t}")
           for s in _ALL for c in s.sharding for t in c.axis_types]
@@ -56,7 +70,21 @@ _PARAMS = {
     "test_env_var_bad_value": ("spec", lambda: _by_spec(_ALL)),
     "test_env_var_cuda_without_gpu": ("spec", lambda: _by_spec(_ALL)),
     "test_cuda_without_gpu": ("spec", lambda: _by_spec(_ALL)),
-    "test_forward_mode_unsupported": ("spec", lambda: _by_spec(_DIFF)),
+    "test_forward_mode": ("spec,kernel", lambda: _kernel_params(_DIFF)),
+    "test_grad_of_grad": ("spec,kernel", lambda: _kernel_params(_DIFF)),
+    "test_remat": ("spec,kernel,policy", lambda: [
+        pytest.param(*p.values, pol, id=f"{p.id}-{pol}", marks=p.marks)
+        for p in _kernel_params(_DIFF) for pol in _REMAT_POLICIES]),
+    "test_scan_over_layers": ("spec,kernel,remat", lambda: [
+        pytest.param(*p.values, r, id=f"{p.id}-{'remat' if r else 'plain'}", marks=p.marks)
+        for p in _kernel_params(_ALL) for r in (False, True)]),
+    "test_cond": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_fori_loop": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_donated_arguments": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_aot_compile": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_eval_shape": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_export_round_trip": ("spec,kernel", lambda: _kernel_params(_ALL)),
+    "test_persistent_cache_hit": ("spec,kernel", lambda: _kernel_params(_ALL)),
     "test_grad_refused": ("spec", lambda: _by_spec([s for s in _ALL if not s.differentiable])),
     "test_numpy_inputs": ("spec", lambda: _by_spec(_ALL)),
     "test_bad_input": ("spec,bad", lambda: [
@@ -187,20 +215,6 @@ def test_cuda_without_gpu(spec, rng):
   arrays, static = _example(spec, rng)
   with pytest.raises(ValueError, match="implementation='cuda'"):
     C.op_fn(spec, "cuda", static)(arrays)
-
-
-def test_forward_mode_unsupported(spec, implementation, rng):
-  """custom_vjp has no forward mode: jax.jvp raises (documented in the docstrings); the
-  'xla' reference is plain JAX."""
-  arrays, static = _example(spec, rng)
-  diff = {k: v for k, v in arrays.items() if k in spec.diff_args}
-  f = lambda d: C.op_fn(spec, implementation, static)({k: d.get(k, v) for k, v in
-                                                       arrays.items()})
-  if implementation == "xla":
-    jax.jvp(f, (diff,), (diff,))
-    return
-  with pytest.raises(TypeError):
-    jax.jvp(f, (diff,), (diff,))
 
 
 def test_grad_refused(spec, implementation, rng):
@@ -514,3 +528,250 @@ def test_pmap(spec, host_implementation, cpu_devices, rng):
       (C.take_example(arrays, case, i), tuple(np.asarray(c)[i] for c in cots),
        tuple(np.asarray(o)[i] for o in outs)) for i in indices])
   C.check_grads(spec, grads, exact, lowp, grad_atol, "pmap grad")
+
+
+# ---- compositions a model uses: one representative case per op -----------------------------------
+#
+# Each runs the op's program (its outputs, and for a differentiable op the gradients of
+# <outputs, random cotangents>) under one composition and compares it with the same program
+# run plainly under jit: the kernels are deterministic, so only XLA's fusion of the code
+# around them may move a result, by a few roundings (_close).
+
+_REMAT_POLICIES = ("nothing_saveable", "everything_saveable", "dots_saveable",
+                   "dots_with_no_batch_dims_saveable")
+
+
+def _setup(spec, kernel, rng):
+  """(op function, arrays, static, cotangents or None)."""
+  inputs = spec.make(rng, spec.example)
+  arrays, static = inputs.arrays, inputs.static
+  cots = (C.make_cotangents(rng, C.output_avals(spec, inputs)) if spec.differentiable
+          else None)
+  return C.op_fn(spec, kernel, static), arrays, static, cots
+
+
+def _program(spec, f, cots):
+  """arrays -> (outputs, {argument: gradient}) ({} for a forward-only op), through f."""
+  if not spec.differentiable:
+    return lambda a: (f(a), {})
+  return lambda a: tuple(reversed(C.grad_fn(spec, f)(a, cots)))
+
+
+def _close(got, want, what):
+  got_leaves, want_leaves = jax.tree.leaves(got), jax.tree.leaves(want)
+  assert len(got_leaves) == len(want_leaves), what
+  for g, w in zip(got_leaves, want_leaves):
+    g, w = np.asarray(g), np.asarray(w)
+    assert g.shape == w.shape and g.dtype == w.dtype, (what, g.shape, g.dtype, w.shape, w.dtype)
+    if not jnp.issubdtype(w.dtype, jnp.inexact):
+      np.testing.assert_array_equal(g, w, err_msg=what)
+      continue
+    g64, w64 = g.astype(np.float64), w.astype(np.float64)
+    eps = float(jnp.finfo(w.dtype).eps)
+    scale = float(np.max(np.abs(w64[np.isfinite(w64)]), initial=0.0))
+    np.testing.assert_allclose(g64, w64, rtol=4 * eps, atol=4 * eps * scale, equal_nan=True,
+                               err_msg=what)
+
+
+def _plain(spec, f, arrays, cots):
+  return jax.jit(_program(spec, f, cots))(arrays)
+
+
+# ---- forward mode and second order: the reference (jaxgpu/_autodiff.py) -------------------------
+
+
+def _diff_and_rest(spec, arrays):
+  diff = {k: v for k, v in arrays.items() if k in spec.diff_args}
+  return diff, {k: v for k, v in arrays.items() if k not in diff}
+
+
+def test_forward_mode(spec, kernel, rng):
+  """jax.jvp runs the op's reference (the kernels' custom_vjp has no forward mode): the
+  same values as jvp of implementation='xla', and no kernel in the program. jvp of a
+  function jit traced first cannot be rerouted: it raises (documented)."""
+  f, arrays, static, _ = _setup(spec, kernel, rng)
+  diff, rest = _diff_and_rest(spec, arrays)
+  tangents = {k: oracle.randn(rng, v.shape, v.dtype) for k, v in diff.items()}
+  jvp = lambda fn: jax.jit(lambda d, t: jax.jvp(lambda d: fn({**rest, **d}), (d,), (t,)))
+  program = jvp(f)
+  targets = C.custom_call_targets(program.lower(diff, tangents))
+  assert not any(t.startswith("jaxgpu_") for t in targets), targets
+  _close(program(diff, tangents), jvp(C.op_fn(spec, "xla", static))(diff, tangents),
+         f"{spec.id} jvp")
+  with pytest.raises(TypeError, match="forward-mode autodiff"):
+    jax.jvp(jax.jit(lambda d: f({**rest, **d})), (diff,), (tangents,))
+
+
+def test_grad_of_grad(spec, kernel, rng):
+  """The gradient of <gradients, random directions>: second order runs the reference,
+  as implementation='xla' does."""
+  f, arrays, static, cots = _setup(spec, kernel, rng)
+  diff, rest = _diff_and_rest(spec, arrays)
+  directions = {k: oracle.randn(rng, v.shape, v.dtype) for k, v in diff.items()}
+
+  def second(fn):
+    def inner(d):
+      grads, _ = C.grad_fn(spec, fn)({**rest, **d}, cots)
+      return sum(jnp.sum(grads[k].astype(jnp.float32) * directions[k].astype(jnp.float32))
+                 for k in grads)
+    return jax.jit(jax.grad(inner))
+
+  _close(second(f)(diff), second(C.op_fn(spec, "xla", static))(diff), f"{spec.id} grad of grad")
+
+
+# ---- remat, control flow, donation, AOT, eval_shape ---------------------------------------------
+
+
+def test_remat(spec, kernel, policy, rng):
+  """jax.checkpoint with a policy from jax.checkpoint_policies around the op, under grad:
+  the forward kernel runs again in the backward pass where nothing was saved."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  rematted = jax.checkpoint(f, policy=getattr(jax.checkpoint_policies, policy))
+  got = jax.jit(_program(spec, rematted, cots))(arrays)
+  _close(got, _plain(spec, f, arrays, cots), f"{spec.id} remat {policy}")
+
+
+def _stack_layers(spec, rng, arrays):
+  """Two layers' arguments stacked on a new leading axis: a second example where spec.make
+  gives one of the same shapes and options, else the same arguments twice."""
+  other = spec.make(rng, spec.example)
+  if jax.tree.map(lambda a: (a.shape, a.dtype), other.arrays) != jax.tree.map(
+      lambda a: (a.shape, a.dtype), arrays):
+    other = C.Inputs(arrays)
+  return [arrays, other.arrays]
+
+
+def test_scan_over_layers(spec, kernel, remat, rng):
+  """lax.scan over a stack of layers (the body jax.checkpoint-ed or not), as a model's
+  layer loop: the loss summed over layers and its gradient with respect to every layer's
+  arguments, against a Python loop over the layers."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  layers = _stack_layers(spec, rng, arrays)
+  stacked = jax.tree.map(lambda *a: jnp.stack(a), *layers)
+  if not spec.differentiable:
+    body = lambda carry, a: (carry, f(a))
+    body = jax.checkpoint(body) if remat else body
+    got = jax.jit(lambda s: jax.lax.scan(body, 0, s)[1])(stacked)
+    want = jax.tree.map(lambda *o: jnp.stack(o), *[jax.jit(f)(a) for a in layers])
+    _close(got, want, f"{spec.id} scan")
+    return
+  diff_names = [k for k in arrays if k in spec.diff_args]
+
+  def loss(d, rest):
+    def body(total, layer):
+      return total + C.pair(f({**layer[1], **layer[0]}), cots), None
+    body = jax.checkpoint(body) if remat else body
+    return jax.lax.scan(body, jnp.float32(0), (d, rest))[0]
+
+  d = {k: stacked[k] for k in diff_names}
+  rest = {k: v for k, v in stacked.items() if k not in d}
+  got = jax.jit(jax.value_and_grad(loss))(d, rest)
+  per_layer = [_plain(spec, f, a, cots) for a in layers]
+  total = sum(C.pair(outs, cots) for outs, _ in per_layer)
+  grads = {k: jnp.stack([g[k] for _, g in per_layer]) for k in diff_names}
+  np.testing.assert_allclose(float(got[0]), float(total), rtol=1e-5)
+  _close(got[1], grads, f"{spec.id} scan grads")
+
+
+def test_cond(spec, kernel, rng):
+  """lax.cond with the op in one branch (zeros in the other), the predicate traced: both
+  branches compiled, the gradient flows through the one taken."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  zeros = lambda a: jax.tree.map(jnp.zeros_like, f(a))
+  program = jax.jit(lambda p, a: _program(spec, lambda a: jax.lax.cond(p, f, zeros, a),
+                                          cots)(a))
+  _close(program(True, arrays), _plain(spec, f, arrays, cots), f"{spec.id} cond taken")
+  outs, grads = program(False, arrays)
+  assert all(not np.any(np.asarray(o)) for o in jax.tree.leaves((outs, grads))), spec.id
+
+
+def test_fori_loop(spec, kernel, rng):
+  """lax.fori_loop with two iterations of the op (a fixed trip count, so reverse-mode
+  differentiable): a differentiable op's outputs are summed, so results and gradients are
+  exactly twice the plain ones; a forward-only op's are carried."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  if spec.differentiable:
+    looped = lambda a: jax.lax.fori_loop(
+        0, 2, lambda i, acc: jax.tree.map(jnp.add, acc, f(a)),
+        jax.tree.map(jnp.zeros_like, jax.eval_shape(f, a)))
+    outs, grads = jax.jit(_program(spec, looped, cots))(arrays)
+    want_outs, want_grads = _plain(spec, f, arrays, cots)
+    _close((outs, grads), jax.tree.map(lambda w: w + w, (want_outs, want_grads)),
+           f"{spec.id} fori_loop")
+    return
+  looped = lambda a: jax.lax.fori_loop(0, 2, lambda i, acc: f(a), f(a))
+  _close(jax.jit(looped)(arrays), jax.jit(f)(arrays), f"{spec.id} fori_loop")
+
+
+def test_donated_arguments(spec, kernel, rng):
+  """Every argument donated to jit: the same results. XLA may give a donated buffer to any
+  output or temporary of the program (an in-place op's output aliases its cache), so a
+  kernel that read an input after writing an output would show here."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  want = _plain(spec, f, arrays, cots)
+  copies = jax.tree.map(lambda a: jnp.array(a, copy=True), arrays)
+  with warnings.catch_warnings():
+    # Buffers no output can take (an int table, say) are reported and left alone.
+    warnings.filterwarnings("ignore", message="Some donated buffers were not usable")
+    got = jax.jit(_program(spec, f, cots), donate_argnums=0)(copies)
+  _close(got, want, f"{spec.id} donated")
+
+
+def test_aot_compile(spec, kernel, rng):
+  """jit(f).lower(shapes).compile() ahead of time from ShapeDtypeStructs (no arrays), then
+  called: the program runs the op's kernels and gives the jit results."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  shapes = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype), arrays)
+  compiled = jax.jit(_program(spec, f, cots)).lower(shapes).compile()
+  assert spec.op.target(spec.fwd_pass, kernel) in compiled.as_text()
+  _close(compiled(arrays), _plain(spec, f, arrays, cots), f"{spec.id} AOT")
+
+
+def test_eval_shape(spec, kernel, rng):
+  """jax.eval_shape of the program: the shapes and dtypes it returns when run."""
+  f, arrays, _, cots = _setup(spec, kernel, rng)
+  shapes = jax.eval_shape(_program(spec, f, cots), arrays)
+  got = _plain(spec, f, arrays, cots)
+  assert jax.tree.structure(shapes) == jax.tree.structure(got), spec.id
+  for s, g in zip(jax.tree.leaves(shapes), jax.tree.leaves(got)):
+    assert (s.shape, s.dtype) == (g.shape, g.dtype), (spec.id, s, g.shape, g.dtype)
+
+
+# ---- serialized programs: ONE fresh process for every op -----------------------------------------
+
+
+@pytest.fixture(scope="module")
+def fresh_runs(tmp_path_factory):
+  """Every op's program (implementation=None: the kernel of the platform), exported with
+  jax.export for ("cpu", "cuda"), compiled here into a persistent compilation cache, and
+  run in one fresh process that imports only jaxgpu and reads that cache
+  (contract.run_fresh): {spec id: (arrays, this process's jit results)}, and the run."""
+  seed = int(np.random.default_rng().integers(2**31))
+  print(f"fresh_runs seed={seed}")
+  rng = np.random.default_rng(seed)
+  programs, here = {}, {}
+  for i, spec in enumerate(_ALL):
+    f, arrays, _, cots = _setup(spec, None, rng)
+    program = _program(spec, f, cots)
+    programs[f"op{i}"] = (C.export(program, arrays), (arrays,))
+    here[spec.id] = (f"op{i}", jax.jit(program)(arrays))
+  return here, C.run_fresh(programs, tmp_path_factory.mktemp("fresh_runs"))
+
+
+def test_export_round_trip(spec, kernel, fresh_runs):
+  """The op's program, deserialized and run in a process that only imported jaxgpu: the
+  results this process's jit gives."""
+  here, run = fresh_runs
+  name, want = here[spec.id]
+  got = run.result(name)
+  assert len(got) == len(jax.tree.leaves(want)), spec.id
+  _close(got, jax.tree.leaves(want), f"{spec.id} export round trip")
+
+
+def test_persistent_cache_hit(spec, kernel, fresh_runs):
+  """The fresh process found the program compiled by this one in the persistent
+  compilation cache (its FFI custom calls serialize with the executable)."""
+  here, run = fresh_runs
+  name, _ = here[spec.id]
+  run.result(name)
+  assert run.hits[name] >= 1, (spec.id, run.hits[name])

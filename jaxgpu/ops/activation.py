@@ -23,7 +23,7 @@ Transforms. Every op works under jit, grad, vmap, shard_map and pmap. Under jit 
 sharded inputs every dimension may be sharded (the ops are elementwise): the forward and
 backward passes run on each shard with no collective, outputs and gradients keeping the
 input's sharding. gate and up are expected to be sharded alike; if not, up is resharded
-like gate. Forward-mode AD (jax.jvp) is not supported (custom_vjp).
+like gate. Forward mode (jax.jvp) and second derivatives run the reference.
 
 Memory. Forward: allocates its output only; the backward pass re-reads the inputs, which
 the forward pass keeps alive instead of saving anything new (no residual is written).
@@ -39,7 +39,7 @@ import functools
 
 import jax
 
-from jaxgpu import _checks, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import activation as reference
@@ -137,7 +137,7 @@ def _unary_op(op: str, x, implementation, approximate=_NO_ATTR):
   x = _checks.float_array(op, "x", x)
   approximate = (None if approximate is _NO_ATTR
                  else _checks.static_bool(op, "approximate", approximate))
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x)
   if impl == "xla" or x.size == 0:
     fn = getattr(reference, op)
     return fn(x) if approximate is None else fn(x, approximate=approximate)
@@ -151,7 +151,7 @@ def _gated_op(op: str, gate, up, implementation, approximate=_NO_ATTR):
   _checks.shape_is(op, "up", up, gate.shape, "the shape of gate")
   approximate = (None if approximate is _NO_ATTR
                  else _checks.static_bool(op, "approximate", approximate))
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), gate, up)
   if impl == "xla" or gate.size == 0:
     fn = getattr(reference, op)
     return fn(gate, up) if approximate is None else fn(gate, up, approximate=approximate)

@@ -89,7 +89,7 @@ import numpy as np
 from jax.custom_derivatives import SymbolicZero
 from jax.sharding import NamedSharding, PartitionSpec
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _autodiff, _checks, _ffi, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import (Layout, explicit_spec, grouped_call, in_explicit_mode,
                                match_primal_types, primal_types)
@@ -645,7 +645,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
 
 def _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softcap, segs,
               lengths, implementation):
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), query, key, value, bias)
   if jnp.dtype(query.dtype) not in _CUDA_DTYPES:
     if implementation == "cuda":
       raise ValueError(f"{op}: implementation='cuda' takes bfloat16 or float16 query, key and "

@@ -42,7 +42,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import (LSE, SUM, Layout, grouped_call, match_primal_types,
                                primal_types)
@@ -259,12 +259,12 @@ def linear_cross_entropy(x, w, labels, *, w_layout="vd", ignore_index=None, labe
   The logits are rounded to x's dtype before the softmax, as that code's are. Gradients
   flow to x and w (the labels get none); works under jit, grad, vmap, shard_map and pmap,
   and under jit with rows or the vocabulary sharded (module docstring: which collectives).
-  Forward-mode AD (jax.jvp) is not supported (custom_vjp).
+  Forward mode (jax.jvp) and second derivatives run the reference.
   """
   op = "linear_cross_entropy"
   x, w, labels, vocab, ignore_index, ls, softcap = _check(
       op, x, w, labels, w_layout, ignore_index, label_smoothing, logit_softcap, reduction)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x, w)
   if impl == "xla" or x.size == 0 or labels.size == 0:
     return reference.linear_cross_entropy(x, w, labels, w_layout=w_layout,
                                           ignore_index=ignore_index, label_smoothing=ls,

@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jax.sharding import PartitionSpec
 
@@ -415,7 +415,7 @@ def linear(x, w, bias=None, *, activation=None, implementation=None):
     act(jnp.matmul(x, w, preferred_element_type=jnp.float32) + bias).astype(x.dtype)
 
   (with ``w = qw.dequantize(x.dtype)`` for a quantized weight). implementation: None,
-  'cuda', 'cpu' or 'xla'. Forward-mode AD (jax.jvp) is not supported (custom_vjp).
+  'cuda', 'cpu' or 'xla'. Forward mode (jax.jvp) and second derivatives run the reference.
   """
   op = "linear"
   x = _checks.float_array(op, "x", x)
@@ -439,7 +439,7 @@ def linear(x, w, bias=None, *, activation=None, implementation=None):
     bias = _checks.float_array(op, "bias", bias)
     _checks.shape_is(op, "bias", bias, (n,), "N")
     _checks.same_dtype(op, "bias", bias, "x", x)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x, w, bias)
   rows = math.prod(x.shape[:-1])
   if quantized:
     return _quantized(x, w, bias, activation, impl, rows, n)

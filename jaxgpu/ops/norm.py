@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _ffi, _implementation
+from jaxgpu import _autodiff, _checks, _ffi, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import norm as reference
@@ -286,12 +286,12 @@ def rms_norm(x, weight=None, *, residual=None, eps=1e-6, weight_offset=0.0,
   deterministic). Works under jit, grad, vmap, shard_map and pmap. Under jit with sharded
   inputs the leading dims keep their sharding with no collective in the forward pass and
   only the weight-gradient all-reduce in the backward pass; a sharded D is gathered.
-  Forward-mode AD (jax.jvp) is not supported (custom_vjp).
+  Forward mode (jax.jvp) and second derivatives run the reference.
   """
   op = "rms_norm"
   x, weight, _, residual, eps = _check(op, x, weight, None, residual, eps)
   weight_offset = _checks.finite(op, "weight_offset", weight_offset)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x, weight, residual)
   if impl == "xla" or x.size == 0:
     return reference.rms_norm(x, weight, residual=residual, eps=eps, weight_offset=weight_offset)
   cfg = _Config("rms", eps, weight_offset, impl, weight is not None, False, residual is not None,
@@ -324,7 +324,7 @@ def layer_norm(x, weight=None, bias=None, *, residual=None, eps=1e-5, implementa
   """
   op = "layer_norm"
   x, weight, bias, residual, eps = _check(op, x, weight, bias, residual, eps)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x, weight, bias, residual)
   if impl == "xla" or x.size == 0:
     return reference.layer_norm(x, weight, bias, residual=residual, eps=eps)
   cfg = _Config("layer", eps, 0.0, impl, weight is not None, bias is not None,

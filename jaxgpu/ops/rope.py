@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import rope as reference
@@ -167,12 +167,12 @@ def rope(x, positions, *, theta=10000.0, layout="half", rotary_dim=None,
   The gradient of x is the inverse rotation of the cotangent (one kernel); positions get
   none. Works under jit, grad, vmap, shard_map and pmap. Under jit with sharded inputs the
   batch, sequence and head dims keep their sharding with no collective (positions split
-  with x's batch and sequence dims); a sharded H is gathered. Forward-mode AD (jax.jvp)
-  is not supported (custom_vjp).
+  with x's batch and sequence dims); a sharded H is gathered. Forward mode (jax.jvp)
+  and second derivatives run the reference.
   """
   op = "rope"
   x, positions, theta, r, shared = _check(op, x, positions, theta, layout, rotary_dim)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x)
   if impl == "xla" or x.size == 0:
     return reference.rope(x, positions, theta=theta, layout=layout, rotary_dim=r)
   positions = positions.astype(jnp.int32)

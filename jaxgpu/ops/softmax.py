@@ -40,7 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _checks, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import softmax as reference
@@ -231,7 +231,7 @@ def softmax(x, *, scale=None, is_causal=False, mask=None, implementation=None):
   comes from a backward kernel, dx = scale * y * (dy - sum(dy * y)), from the saved y.
   Works under jit, grad, vmap, shard_map and pmap; under jit with sharded inputs the
   leading dims keep their sharding with no collective (see the module docstring for S, and
-  T with is_causal). Forward-mode AD (jax.jvp) is not supported (custom_vjp).
+  T with is_causal). Forward mode (jax.jvp) and second derivatives run the reference.
   """
   op = "softmax"
   x = _checks.float_array(op, "x", x)
@@ -246,7 +246,7 @@ def softmax(x, *, scale=None, is_causal=False, mask=None, implementation=None):
   scale_value = 1.0 if scale is None else _checks.finite(op, "scale", scale)
   if mask is not None:
     mask = _check_mask(op, mask, x)
-  impl = _implementation.resolve(implementation)
+  impl = _autodiff.route(_implementation.resolve(implementation), x)
   if impl == "xla" or x.size == 0:
     return reference.softmax(x, scale=None if scale is None else scale_value,
                              is_causal=is_causal, mask=mask)
