@@ -487,11 +487,14 @@ def persistent_cache(path):
 @dataclasses.dataclass(frozen=True)
 class FreshRun:
   """What tests/fresh_process.py gave for each program: its output leaves, its error (a
-  traceback), and the persistent-cache hits its compilation made."""
+  traceback), and the persistent-cache hits its compilation made; and `here`, each
+  program's output leaves from Exported.call in this process (with `cache`: the very
+  executable the fresh process should have read from the cache)."""
 
   outputs: dict
   errors: dict
   hits: dict
+  here: dict
 
   def result(self, name):
     """The program's output leaves; fails the test with the subprocess's traceback."""
@@ -511,10 +514,10 @@ def run_fresh(programs: dict, folder, cache: bool = True, timeout: float = 600) 
   for name, (exported, args) in programs.items():
     (folder / f"{name}.jaxexport").write_bytes(exported.serialize())
     fresh_process.save_arrays(folder / f"{name}.args.npz", jax.tree.leaves((args, {})))
-  if cache:
-    with persistent_cache(cache_dir):
-      for exported, args in programs.values():
-        jax.block_until_ready(exported.call(*args))
+  here = {}
+  with persistent_cache(cache_dir) if cache else contextlib.nullcontext():
+    for name, (exported, args) in programs.items():
+      here[name] = [np.asarray(o) for o in jax.tree.leaves(exported.call(*args))]
   script = pathlib.Path(__file__).with_name("fresh_process.py")
   cmd = [sys.executable, str(script), str(folder)] + ([str(cache_dir)] if cache else [])
   # From the test folder, not the source tree's root: `import jaxgpu` finds the installed
@@ -533,4 +536,4 @@ def run_fresh(programs: dict, folder, cache: bool = True, timeout: float = 600) 
       continue
     outputs[name] = fresh_process.load_arrays(folder / f"{name}.out.npz")
     hits[name] = int((folder / f"{name}.hits").read_text())
-  return FreshRun(outputs, errors, hits)
+  return FreshRun(outputs, errors, hits, here)

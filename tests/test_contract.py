@@ -760,12 +760,21 @@ def fresh_runs(tmp_path_factory):
 
 def test_export_round_trip(spec, kernel, fresh_runs):
   """The op's program, deserialized and run in a process that only imported jaxgpu: the
-  results this process's jit gives."""
+  results of the same artifact called here, which are jit's (to a few roundings: XLA may
+  fuse the code around the kernels differently in the exported module)."""
   here, run = fresh_runs
   name, want = here[spec.id]
   got = run.result(name)
   assert len(got) == len(jax.tree.leaves(want)), spec.id
-  _close(got, jax.tree.leaves(want), f"{spec.id} export round trip")
+  _close(got, run.here[name], f"{spec.id} export round trip")
+  for g, w in zip(run.here[name], jax.tree.leaves(want)):
+    w = np.asarray(w)
+    if jnp.issubdtype(w.dtype, jnp.inexact):
+      scale = float(np.max(np.abs(w.astype(np.float64)), initial=1.0))
+      np.testing.assert_allclose(g.astype(np.float64), w.astype(np.float64), rtol=2e-2,
+                                 atol=2e-2 * scale, equal_nan=True, err_msg=spec.id)
+    else:
+      np.testing.assert_array_equal(g, w, err_msg=spec.id)
 
 
 def test_persistent_cache_hit(spec, kernel, fresh_runs):
