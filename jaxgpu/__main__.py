@@ -125,13 +125,14 @@ def _cuda_lines(runtime_api: str | None) -> list[str]:
     archs = archs_fn() if callable(archs_fn) else "unknown"
     return [f"cuda  compiled for architectures {archs}"
             f"{_api_note(_module_ffi_api(module), runtime_api)}  ({module.__file__})"]
-  # No GPU: do not import the CUDA module (it is only loaded next to a CUDA backend);
-  # finding its file is enough to say whether it was built.
+  # No GPU: `import jaxgpu` loaded the CUDA module if it loads here (its targets are
+  # registered for serialized programs), but there is no device to run it on.
   spec = importlib.util.find_spec("jaxgpu._jaxgpu_cuda")
   if spec is None or spec.origin is None:
     return ["cuda  not compiled (no CUDA compiler at build time, or JAXGPU_CUDA=OFF)"]
-  return [f"cuda  compiled ({spec.origin}); not loaded: JAX has no CUDA backend, so its "
-          f"architectures are not read"]
+  loaded = ("loaded, targets registered" if _ffi.cuda_module() is not None
+            else "does not load here")
+  return [f"cuda  compiled ({spec.origin}); {loaded}; JAX has no CUDA backend"]
 
 
 def info() -> int:
