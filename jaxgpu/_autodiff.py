@@ -13,13 +13,15 @@ reference instead, which jax differentiates in any mode and to any order:
   reverse-mode linearizations trace (ad.LinearizeTracer of two traces, nested in one
   argument or one in each).
 
-Reverse mode alone (jax.grad, jax.vjp, jax.linearize, value_and_grad, also under vmap, jit
-and remat) traces with one LinearizeTracer (jax >= 0.10 linearizes directly, never through
-a JVPTracer), so it keeps the kernels: tests/test_autodiff.py checks that grad still lowers
-to the backward targets.
+Reverse mode alone (jax.grad, jax.vjp, jax.linearize, value_and_grad, also under vmap and
+jit) traces with one LinearizeTracer (jax >= 0.10 linearizes directly, never through a
+JVPTracer), so it keeps the kernels: tests/test_autodiff.py checks that grad still lowers
+to the backward targets. (Under jax.checkpoint the op is traced into a jaxpr first, and its
+custom_vjp is differentiated as usual: the kernels too.)
 
 What cannot be seen at the op: a function traced into a jaxpr before it is differentiated,
-jax.jvp(jax.jit(f)) or jax.grad(jax.jit(jax.grad(f))), where the op only saw jit's tracers.
+jax.jvp(jax.jit(f)), jax.grad(jax.jit(jax.grad(f))), and anything jax.checkpoint wraps
+(jax.hessian(jax.checkpoint(f))), where the op only saw jaxpr tracers.
 The first fails in jax's custom_vjp ("can't apply forward-mode autodiff (jvp) to a
 custom_vjp function", a message jaxgpu cannot change); the second reaches the inner ops,
 whose rule here (`refuse_differentiation`) names the op and the ways out. Both work with

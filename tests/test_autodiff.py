@@ -128,3 +128,16 @@ def test_route(xw):
 def _assert_routed(x, want):
   assert _autodiff.route("cpu", {"a": x}) == want
   return jnp.sum(jnp.sin(x))
+
+
+def test_second_derivative_through_remat_names_the_op(xw):
+  """jax.checkpoint traces its function before any derivative reaches the op: a second
+  derivative through it cannot be rerouted and names the op; under
+  jaxgpu.implementation('xla') it works (the README's way out)."""
+  x, w = xw
+  f = jax.checkpoint(lambda w: _f(x, w))
+  with pytest.raises(TypeError, match=r"jaxgpu\.(rms_norm|gelu)"):
+    jax.hessian(f)(w)
+  with jaxgpu.implementation("xla"):
+    got = jax.hessian(jax.checkpoint(lambda w: _f(x, w)))(w)
+  _close(got, jax.hessian(lambda w: _ref(x, w))(w))
