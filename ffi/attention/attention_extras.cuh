@@ -50,43 +50,23 @@ struct Extras {
 
   __device__ __forceinline__ bool Any() const { return bias != nullptr || mask != nullptr; }
 
-  // Where one row of a warp's score tile starts: a query row (kTransposed false) or a key
-  // row (true) of query head r; columns are then keys or queries. The row's 64-bit offsets
-  // are formed once, and a column adds one product: column * 0 or 1 for keys (the S dim's
-  // stride; S < 2^31, so 32-bit), a 64-bit product for queries (T's stride may be S).
-  struct Row {
-    int64_t bias, mask;
-    bool ok;  // the row lies within T (or S)
-  };
-
-  template <bool kTransposed>
-  __device__ __forceinline__ Row RowAt(int r, int row) const {
-    Row o;
-    o.bias = bias_head + r * bias_r + row * (kTransposed ? bias_j : bias_i);
-    o.mask = mask_head + r * mask_r + row * (kTransposed ? mask_j : mask_i);
-    o.ok = row < (kTransposed ? kv_len : q_len);
-    return o;
+  // Offset of query head r's (i, j) element in the bias (and dbias).
+  __device__ __forceinline__ int64_t BiasAt(int r, int i, int j) const {
+    return bias_head + r * bias_r + i * bias_i + j * bias_j;
   }
 
-  template <bool kTransposed>
-  __device__ __forceinline__ int64_t Col(int col, int64_t stride_i, int64_t stride_j) const {
-    if constexpr (kTransposed) {
-      return col * stride_i;
-    } else {
-      return static_cast<int64_t>(col * static_cast<int>(stride_j));
-    }
-  }
-
-  // The logit x (ToLogits's output, -inf where masked by position or segment) with the
-  // bias added and the mask applied; -inf outside [0, T) x [0, S).
-  template <bool kTransposed>
-  __device__ __forceinline__ float Apply(float x, const Row& row, int col) const {
-    if (!row.ok || col >= (kTransposed ? q_len : kv_len)) return -INFINITY;
-    if (mask != nullptr && __ldg(mask + row.mask + Col<kTransposed>(col, mask_i, mask_j)) == 0) {
+  // The logit x (ToLogits's output, -inf where masked by position or segment) of query i,
+  // key j, with the bias added and the mask applied; -inf outside [0, T) x [0, S). Offsets
+  // are formed per element where they are used: the forward kernels sit at 255 registers,
+  // and row offsets hoisted out of the column loops (64-bit values live across them) spilled
+  // more (sm_80 ptxas, H = 128: forward 120 -> 276 bytes, dQ 0 -> 208).
+  __device__ __forceinline__ float Apply(float x, int r, int i, int j) const {
+    if (i >= q_len || j >= kv_len) return -INFINITY;
+    if (mask != nullptr && __ldg(mask + mask_head + r * mask_r + i * mask_i + j * mask_j) == 0) {
       return -INFINITY;
     }
     if (bias != nullptr) {
-      const int64_t at = row.bias + Col<kTransposed>(col, bias_i, bias_j);
+      const int64_t at = BiasAt(r, i, j);
       const float b =
           bias_f32 ? __ldg(static_cast<const float*>(bias) + at) : LoadScalar<T>(bias, at);
       x += b * bias_mul;
@@ -94,13 +74,12 @@ struct Extras {
     return x;
   }
 
-  // dL/dbias of a query row's element at key `col` (the dQ kernel's layout): g = p (dp -
-  // delta), the gradient of the logit after the softcap (the bias is added there). Stored
-  // by the one thread that computes it, or added atomically where the bias broadcasts
-  // (zeros add nothing: masked elements skip it).
-  __device__ __forceinline__ void AddBiasGrad(float g, const Row& row, int col) const {
-    if (dbias == nullptr || !row.ok || col >= kv_len) return;
-    float* at = dbias + row.bias + Col<false>(col, bias_i, bias_j);
+  // dL/dbias of element (r, i, j): g = p (dp - delta), the gradient of the logit after the
+  // softcap (the bias is added there). Stored by the one thread that computes it, or added
+  // atomically where the bias broadcasts (zeros add nothing: masked elements skip it).
+  __device__ __forceinline__ void AddBiasGrad(float g, int r, int i, int j) const {
+    if (dbias == nullptr || i >= q_len || j >= kv_len) return;
+    float* at = dbias + BiasAt(r, i, j);
     if (!dbias_atomic) {
       *at = g;
     } else if (g != 0.f) {
@@ -134,9 +113,6 @@ __device__ __forceinline__ Extras<T> MakeExtras(const AttentionParams& p, int64_
 
 // A warp's 16 x kN score tile (C fragments, attention_logits.cuh's element order) through
 // Extras::Apply: rows row0.., columns col0.. (kTransposed: rows are keys, columns queries).
-// Each element's row offset is formed where it is used: the forward kernels sit at 255
-// registers, and rows hoisted out of the column loop (four 64-bit offsets live across it)
-// spilled 276 bytes at H = 128 against 120 this way (sm_80 ptxas).
 template <bool kTransposed, int kN, typename T>
 __device__ __forceinline__ void ApplyExtras(float (&acc)[kN / 8][4], const Extras<T>& ex, int r,
                                             int row0, int col0, int lane) {
@@ -145,8 +121,10 @@ __device__ __forceinline__ void ApplyExtras(float (&acc)[kN / 8][4], const Extra
   for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      const auto row = ex.template RowAt<kTransposed>(r, row0 + g + 8 * (e >> 1));
-      acc[j][e] = ex.template Apply<kTransposed>(acc[j][e], row, col0 + 8 * j + 2 * t + (e & 1));
+      const int lr = g + 8 * (e >> 1), lc = 8 * j + 2 * t + (e & 1);
+      const int i = kTransposed ? col0 + lc : row0 + lr;
+      const int k = kTransposed ? row0 + lr : col0 + lc;
+      acc[j][e] = ex.Apply(acc[j][e], r, i, k);
     }
   }
 }

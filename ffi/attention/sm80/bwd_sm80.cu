@@ -136,22 +136,19 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
       if constexpr (kExtra) {
         if (ex.Any()) {
           // p from the biased, masked logit; the softcap's slope from ToLogits's output.
+          const int r = static_cast<int>(tile.r);
 #pragma unroll
-          for (int h = 0; h < 2; ++h) {
-            const auto row =
-                ex.template RowAt<false>(static_cast<int>(tile.r), row0 + mi * 16 + g + 8 * h);
+          for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
-            for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-              for (int c = 0; c < 2; ++c) {
-                const int e = 2 * h + c, k = n0 + 8 * j + 2 * (lane & 3) + c;
-                const float x = s[mi][j][e];
-                const float pr = ProbOfLogit(ex.template Apply<false>(x, row, k), lse2[mi][h], ls);
-                const float grad = pr * (dp[mi][j][e] - delta[mi][h]);
-                ex.AddBiasGrad(grad, row, k);
-                dp[mi][j][e] = GradWeight<kSoftcap>(x, grad);
-                s[mi][j][e] = pr;
-              }
+            for (int e = 0; e < 4; ++e) {
+              const int i = row0 + mi * 16 + g + 8 * (e >> 1);
+              const int k = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
+              const float x = s[mi][j][e];
+              const float pr = ProbOfLogit(ex.Apply(x, r, i, k), lse2[mi][e >> 1], ls);
+              const float grad = pr * (dp[mi][j][e] - delta[mi][e >> 1]);
+              ex.AddBiasGrad(grad, r, i, k);
+              dp[mi][j][e] = GradWeight<kSoftcap>(x, grad);
+              s[mi][j][e] = pr;
             }
           }
           continue;
@@ -340,9 +337,8 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
             if constexpr (kExtra) {
               // p from the biased, masked logit; the softcap's slope from ToLogits's output.
               if (ex.Any()) {
-                const auto row =
-                    ex.template RowAt<true>(step_r, key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
-                biased = ex.template Apply<true>(biased, row, m0 + 8 * j + 2 * t + (e & 1));
+                biased = ex.Apply(biased, step_r, m0 + 8 * j + 2 * t + (e & 1),
+                                  key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
               }
             }
             const float pr = ProbOfLogit(biased, lse2[e & 1], ls);
