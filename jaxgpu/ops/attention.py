@@ -117,11 +117,12 @@ def _force_path(path: str):
 
   'auto' (the default) lets the kernels choose: 'wgmma' (Hopper) on a compute capability 9.0
   device for head dims padded to 64, 128 or 256 and calls without a bias or mask, else
-  'mma_sync' (any GPU the kernels run on). Forcing one lets tests run both in one process. Read when a call is traced, like
-  `implementation`: a function traced outside the block keeps the path it was traced with.
-  A forced path that cannot run a call (wgmma at H = 96, with a bias or mask, on another
-  GPU, or in a build without sm_90a code) fails that call with an error that says why; the CPU kernels take
-  'auto' only; the 'xla' implementation has no main loop to force and ignores it.
+  'mma_sync' (any GPU the kernels run on). Forcing one lets tests run both in one process.
+  Read when a call is traced, like `implementation`: a function traced outside the block
+  keeps the path it was traced with. A forced path that cannot run a call (wgmma at H = 96,
+  with a bias or mask, on another GPU, or in a build without sm_90a code) fails that call
+  with an error that says why; the CPU kernels take 'auto' only; the 'xla' implementation
+  has no main loop to force and ignores it.
   """
   if path not in _PATHS:
     raise ValueError(f"_force_path: expected one of {tuple(_PATHS)}, got {path!r}")
