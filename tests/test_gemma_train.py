@@ -81,8 +81,9 @@ def test_a_few_train_steps_lower_the_loss(kernels):
   assert losses[-1] < 0.5 * losses[0], losses
 
 
+@pytest.mark.parametrize("kernels", KERNELS)
 @pytest.mark.parametrize("version", [2, 3])
-def test_float32_master_params_with_bf16_compute(version):
+def test_float32_master_params_with_bf16_compute(version, kernels):
   """compute_dtype=bfloat16 with float32 parameters: the loss is the bfloat16 model's (the
   same values, computed in bfloat16), the parameters and moments stay float32 and keep
   updates smaller than a bfloat16 ulp, the norm weights' gradients reach AdamW unrounded."""
@@ -93,7 +94,7 @@ def test_float32_master_params_with_bf16_compute(version):
   p16 = jax.tree.map(np.asarray, start(jnp.bfloat16))
   opt = gemma.AdamW(learning_rate=1e-3, weight_decay=0.01, clip_norm=1.0)
   batch = counting_batch(c, 4, 12, 7)
-  kw = dict(config=c, optimizer=opt, implementation=U.KERNEL_IMPL)
+  kw = dict(config=c, optimizer=opt, implementation=kernels)
   n16, s16, m16 = gemma.train_step(start(jnp.bfloat16), gemma.init_opt_state(p16), batch, **kw)
   p32 = start(jnp.float32)
   n32, s32, m32 = gemma.train_step(p32, gemma.init_opt_state(p32), batch,
