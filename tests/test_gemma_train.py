@@ -259,3 +259,27 @@ def test_sharded_train_step_matches_one_device(version, shape, fsdp, cpu_devices
   for k in ("loss", "grad_norm"):
     assert abs(float(m2[k]) - float(m1[k])) <= 1e-5 * abs(float(m1[k])), k
   assert abs(float(m2b["loss"]) - float(m1b["loss"])) <= 1e-4 * abs(float(m1b["loss"]))
+
+
+def test_sharded_master_params_with_bf16_compute(cpu_devices):
+  """compute_dtype with fsdp x tensor parallelism on 8 devices: the collectives of the
+  float32 step, float32 parameters that keep their sharding, and the 1-device loss (bfloat16
+  compute: within bfloat16 rounding of it, the reduction orders differ)."""
+  c = gemma.Config.tiny(2)
+  mesh = jax.make_mesh((4, 2), ("data", "model"), devices=cpu_devices)
+  opt = gemma.AdamW(learning_rate=1e-3, weight_decay=0.1, clip_norm=1.0)
+  batch = counting_batch(c, B, T, 3)
+  kw = dict(config=c, optimizer=opt, implementation="cpu", compute_dtype=jnp.bfloat16)
+  params = jax.device_put(U.random_params(c, 4), cpu_devices[0])
+  _, _, m1 = gemma.train_step(params, gemma.init_opt_state(params),
+                              jax.device_put(batch, cpu_devices[0]), **kw)
+  params = gemma.shard_params(U.random_params(c, 4), c, mesh, fsdp=True)
+  state = gemma.init_opt_state(params)
+  many = gemma.shard_batch(batch, mesh)
+  step = gemma.train_step.lower(params, state, many, mesh=mesh, fsdp=True, **kw).compile()
+  check_collectives(step.as_text(), mesh, c, fsdp=True)
+  params, state, m2 = step(params, state, many)
+  specs = jax.tree.leaves(gemma.param_specs(c, mesh, True), is_leaf=lambda s: isinstance(s, P))
+  for got, spec in zip(jax.tree.leaves(params), specs):
+    assert got.dtype == jnp.float32 and bare(got.sharding.spec) == bare(spec), (got.shape, spec)
+  assert abs(float(m2["loss"]) - float(m1["loss"])) <= 2 ** -8 * abs(float(m1["loss"]))
