@@ -1,7 +1,9 @@
 """Pure-JAX normalization: implementation='xla' and the oracle of the kernels' tests.
 
 Statistics in float32 whatever the input dtype; output in x.dtype. With a residual,
-h = x + residual is formed in x.dtype (rounded once) and normalized.
+h = x + residual is formed in x.dtype (rounded once) and normalized. weight and bias are
+applied in float32, so float32 parameters beside a 16-bit x (master weights) are used
+unrounded and their gradients are float32 sums, as in the kernels.
 """
 
 from __future__ import annotations
