@@ -908,8 +908,9 @@ def test_extras_vmap(implementation, rng):
                                  rtol=1e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("axis_type", ["auto", "explicit"])
 @pytest.mark.parametrize("layout", ["batch", "heads"])
-def test_extras_sharded(layout, cpu_devices, rng):
+def test_extras_sharded(layout, axis_type, cpu_devices, rng):
   """jit with q, k, v and the bias and mask sharded with the batch (a (B, 1, T, S) bias) or
   the heads (a (1, N, T, S) bias, q also over the batch), lengths with the batch: the
   results of an unsharded run, no collective in the forward, and in the backward only the
@@ -917,7 +918,7 @@ def test_extras_sharded(layout, cpu_devices, rng):
   holds a partial sum)."""
   if "cpu" not in jaxgpu.available_implementations():
     pytest.skip("no CPU module")
-  mesh = jax.sharding.Mesh(np.array(cpu_devices).reshape(4, 2), ("a", "b"))
+  mesh = oracle.mesh_4x2(cpu_devices, axis_type)
   case = Case(8, 16, 16, 4, 2, 16, jnp.bfloat16, Opts(causal=True))
   q, k, v = make_qkv(rng, case)
   if layout == "batch":
@@ -944,12 +945,15 @@ def test_extras_sharded(layout, cpu_devices, rng):
   local = [jax.device_put(a, cpu) for a in (q, k, v, bias, mask, ql)]
   bwd = set() if layout == "batch" else {"all-reduce"}
   for fn, expected in ((f, set()), (jax.grad(loss, argnums=(0, 1, 2, 3)), bwd)):
-    compiled = jax.jit(fn).lower(*args).compile()
+    compiled = oracle.run_on_mesh(mesh, axis_type, lambda: jax.jit(fn).lower(*args).compile())
     assert oracle.collectives(compiled.as_text()) == expected
-    got = jax.tree.leaves(compiled(*args))
+    got = jax.tree.leaves(oracle.run_on_mesh(mesh, axis_type, lambda: compiled(*args)))
     want = jax.tree.leaves(jax.jit(fn)(*local))
     for g, w in zip(got, want):
       np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(w, np.float32))
+    # Results and gradients keep their inputs' sharding (o that of q).
+    for g, a in zip(got, args):
+      assert oracle.spec_of(g) == oracle.spec_of(a)
 
 
 @pytest.mark.parametrize("kw,exc,match", [
