@@ -34,42 +34,42 @@ __device__ __forceinline__ float LoadScalar(const void* base, int64_t at) {
   }
 }
 
-// The bias and mask of one (batch row, kv head), and the storage bounds T, S: positions
-// past them are never read. T is the kernel's element type (bias of type T or float32).
-template <typename T>
+// Where the bias and mask of one (batch row, kv head) start. Everything else (pointers,
+// strides, T, S, the bias's dtype and unit) is read from the kernel's parameters where it is
+// used. Copied into this struct and held across the main loop, those values cost registers
+// the kernels (at 255) did not have: sm_80 ptxas spills went forward H = 128 120 -> 112
+// bytes (80 with a softcap, was 96), H = 96 156 -> 44, dQ H = 128 with a softcap 64 -> 0.
+// Offsets are formed per element: each row's 64-bit offsets hoisted out of the column loop
+// kept more values live and spilled more (forward H = 128: 276 bytes, dQ 208).
 struct Extras {
-  const void* bias;
-  const uint8_t* mask;
-  float* dbias;
-  int64_t bias_head, bias_r, bias_i, bias_j;  // bias offset of (b, kh, 0, 0, 0), strides
-  int64_t mask_head, mask_r, mask_i, mask_j;
-  bool bias_f32;
-  bool dbias_atomic;
-  float bias_mul;  // bias to the kernels' logit units (LogitScale::fold / log2(e))
-  int q_len, kv_len;
+  int64_t bias_head;  // offset of (b, kh, 0, 0, 0) in the bias (and dbias)
+  int64_t mask_head;  // in the mask
 
-  __device__ __forceinline__ bool Any() const { return bias != nullptr || mask != nullptr; }
+  __device__ __forceinline__ static bool Any(const AttentionParams& p) {
+    return p.bias != nullptr || p.mask != nullptr;
+  }
 
   // Offset of query head r's (i, j) element in the bias (and dbias).
-  __device__ __forceinline__ int64_t BiasAt(int r, int i, int j) const {
-    return bias_head + r * bias_r + i * bias_i + j * bias_j;
+  __device__ __forceinline__ int64_t BiasAt(const AttentionParams& p, int r, int i, int j) const {
+    return bias_head + r * p.bias_stride[2] + i * p.bias_stride[3] + j * p.bias_stride[4];
   }
 
   // The logit x (ToLogits's output, -inf where masked by position or segment) of query i,
-  // key j, with the bias added and the mask applied; -inf outside [0, T) x [0, S). Offsets
-  // are formed per element where they are used: the forward kernels sit at 255 registers,
-  // and row offsets hoisted out of the column loops (64-bit values live across them) spilled
-  // more (sm_80 ptxas, H = 128: forward 120 -> 276 bytes, dQ 0 -> 208).
-  __device__ __forceinline__ float Apply(float x, int r, int i, int j) const {
-    if (i >= q_len || j >= kv_len) return -INFINITY;
-    if (mask != nullptr && __ldg(mask + mask_head + r * mask_r + i * mask_i + j * mask_j) == 0) {
+  // key j, with the bias added and the mask applied; -inf outside [0, T) x [0, S). T: the
+  // kernel's element type (the bias is T or float32).
+  template <typename T>
+  __device__ __forceinline__ float Apply(const AttentionParams& p, float x, int r, int i,
+                                         int j) const {
+    if (i >= static_cast<int>(p.q_len) || j >= static_cast<int>(p.kv_len)) return -INFINITY;
+    if (p.mask != nullptr && __ldg(p.mask + mask_head + r * p.mask_stride[2] +
+                                   i * p.mask_stride[3] + j * p.mask_stride[4]) == 0) {
       return -INFINITY;
     }
-    if (bias != nullptr) {
-      const int64_t at = BiasAt(r, i, j);
-      const float b =
-          bias_f32 ? __ldg(static_cast<const float*>(bias) + at) : LoadScalar<T>(bias, at);
-      x += b * bias_mul;
+    if (p.bias != nullptr) {
+      const int64_t at = BiasAt(p, r, i, j);
+      const float b = p.bias_dtype == DType::kF32 ? __ldg(static_cast<const float*>(p.bias) + at)
+                                                  : LoadScalar<T>(p.bias, at);
+      x += b * p.bias_scale;
     }
     return x;
   }
@@ -77,10 +77,13 @@ struct Extras {
   // dL/dbias of element (r, i, j): g = p (dp - delta), the gradient of the logit after the
   // softcap (the bias is added there). Stored by the one thread that computes it, or added
   // atomically where the bias broadcasts (zeros add nothing: masked elements skip it).
-  __device__ __forceinline__ void AddBiasGrad(float g, int r, int i, int j) const {
-    if (dbias == nullptr || i >= q_len || j >= kv_len) return;
-    float* at = dbias + BiasAt(r, i, j);
-    if (!dbias_atomic) {
+  __device__ __forceinline__ void AddBiasGrad(const AttentionParams& p, float g, int r, int i,
+                                              int j) const {
+    if (p.dbias == nullptr || i >= static_cast<int>(p.q_len) || j >= static_cast<int>(p.kv_len)) {
+      return;
+    }
+    float* at = p.dbias + BiasAt(p, r, i, j);
+    if (!p.dbias_atomic) {
       *at = g;
     } else if (g != 0.f) {
       atomicAdd(at, g);
@@ -88,34 +91,16 @@ struct Extras {
   }
 };
 
-template <typename T>
-__device__ __forceinline__ Extras<T> MakeExtras(const AttentionParams& p, int64_t b, int64_t kh,
-                                                const LogitScale& ls) {
-  Extras<T> e;
-  e.bias = p.bias;
-  e.mask = p.mask;
-  e.dbias = p.dbias;
-  e.bias_head = b * p.bias_stride[0] + kh * p.bias_stride[1];
-  e.bias_r = p.bias_stride[2];
-  e.bias_i = p.bias_stride[3];
-  e.bias_j = p.bias_stride[4];
-  e.mask_head = b * p.mask_stride[0] + kh * p.mask_stride[1];
-  e.mask_r = p.mask_stride[2];
-  e.mask_i = p.mask_stride[3];
-  e.mask_j = p.mask_stride[4];
-  e.bias_f32 = p.bias_dtype == DType::kF32;
-  e.dbias_atomic = p.dbias_atomic;
-  e.bias_mul = kLog2e / ls.fold;
-  e.q_len = static_cast<int>(p.q_len);
-  e.kv_len = static_cast<int>(p.kv_len);
-  return e;
+__device__ __forceinline__ Extras MakeExtras(const AttentionParams& p, int64_t b, int64_t kh) {
+  return {b * p.bias_stride[0] + kh * p.bias_stride[1],
+          b * p.mask_stride[0] + kh * p.mask_stride[1]};
 }
 
 // A warp's 16 x kN score tile (C fragments, attention_logits.cuh's element order) through
 // Extras::Apply: rows row0.., columns col0.. (kTransposed: rows are keys, columns queries).
-template <bool kTransposed, int kN, typename T>
-__device__ __forceinline__ void ApplyExtras(float (&acc)[kN / 8][4], const Extras<T>& ex, int r,
-                                            int row0, int col0, int lane) {
+template <typename T, bool kTransposed, int kN>
+__device__ __forceinline__ void ApplyExtras(float (&acc)[kN / 8][4], const AttentionParams& p,
+                                            const Extras& ex, int r, int row0, int col0, int lane) {
   const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int j = 0; j < kN / 8; ++j) {
@@ -124,7 +109,7 @@ __device__ __forceinline__ void ApplyExtras(float (&acc)[kN / 8][4], const Extra
       const int lr = g + 8 * (e >> 1), lc = 8 * j + 2 * t + (e & 1);
       const int i = kTransposed ? col0 + lc : row0 + lr;
       const int k = kTransposed ? row0 + lr : col0 + lc;
-      acc[j][e] = ex.Apply(acc[j][e], r, i, k);
+      acc[j][e] = ex.Apply<T>(p, acc[j][e], r, i, k);
     }
   }
 }

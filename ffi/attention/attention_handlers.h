@@ -243,6 +243,8 @@ inline ffi::Error MakeAttentionExtras(const ffi::AnyBuffer& bias, const ffi::Any
     JAXGPU_RETURN_IF_ERROR(BroadcastStrides(bias, *p, "bias", p->bias_stride));
     p->bias = bias.untyped_data();
     p->bias_dtype = bt;
+    // The CUDA kernels' logits are in units of the scale, or of the softcap (LogitScale).
+    p->bias_scale = 1.f / (a.softcap > 0.f ? a.softcap : a.scale);
   } else if (bias.element_count() != 0) {
     return ffi::Error::InvalidArgument("bias: must be empty when has_bias is false");
   }

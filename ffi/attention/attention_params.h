@@ -56,6 +56,7 @@ struct AttentionParams {
   const void* bias;
   DType bias_dtype;
   int64_t bias_stride[5];
+  float bias_scale;  // 1 / (softcap > 0 ? softcap : scale): the bias in the kernels' units
   const uint8_t* mask;
   int64_t mask_stride[5];
   // Per batch row valid lengths (nullptr: T / S). Tiles past them are skipped, not masked.

@@ -74,7 +74,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
   const int row0 = m0 + warp * kMT * 16;  // this warp's first query
-  const Extras<T> ex = MakeExtras<T>(p, b, tile.kh, ls);
+  const Extras ex = MakeExtras(p, b, tile.kh);
 
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
@@ -134,7 +134,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
       ToLogits<false, kN, kSoftcap>(s[mi], ls, mask, tm.masked, row0 + mi * 16, n0,
                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
       if constexpr (kExtra) {
-        if (ex.Any()) {
+        if (Extras::Any(p)) {
           // p from the biased, masked logit; the softcap's slope from ToLogits's output.
           const int r = static_cast<int>(tile.r);
 #pragma unroll
@@ -144,9 +144,9 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
               const int i = row0 + mi * 16 + g + 8 * (e >> 1);
               const int k = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
               const float x = s[mi][j][e];
-              const float pr = ProbOfLogit(ex.Apply(x, r, i, k), lse2[mi][e >> 1], ls);
+              const float pr = ProbOfLogit(ex.Apply<T>(p, x, r, i, k), lse2[mi][e >> 1], ls);
               const float grad = pr * (dp[mi][j][e] - delta[mi][e >> 1]);
-              ex.AddBiasGrad(grad, r, i, k);
+              ex.AddBiasGrad(p, grad, r, i, k);
               dp[mi][j][e] = GradWeight<kSoftcap>(x, grad);
               s[mi][j][e] = pr;
             }
@@ -245,7 +245,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
   const bool segments = kMaskable && mask.q_seg != nullptr;
   const int H = static_cast<int>(p.head_dim);
   const int n0 = tile.n_block * kN;
-  const Extras<T> ex = MakeExtras<T>(p, tile.b, tile.kh, ls);
+  const Extras ex = MakeExtras(p, tile.b, tile.kh);
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
   const int pair_row0 = pair * Tr::kPairKeys;
@@ -336,9 +336,9 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
             float biased = x[mi][j][e];
             if constexpr (kExtra) {
               // p from the biased, masked logit; the softcap's slope from ToLogits's output.
-              if (ex.Any()) {
-                biased = ex.Apply(biased, step_r, m0 + 8 * j + 2 * t + (e & 1),
-                                  key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
+              if (Extras::Any(p)) {
+                biased = ex.Apply<T>(p, biased, step_r, m0 + 8 * j + 2 * t + (e & 1),
+                                     key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
               }
             }
             const float pr = ProbOfLogit(biased, lse2[e & 1], ls);

@@ -65,7 +65,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const int H = static_cast<int>(p.head_dim);
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
-  const Extras<T> ex = MakeExtras<T>(p, b, tile.kh, ls);
+  const Extras ex = MakeExtras(p, b, tile.kh);
 
   const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
   const T* k = static_cast<const T*>(p.k) + off.kv;
@@ -124,9 +124,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
       ToLogits<false, kN, kSoftcap>(acc_s[mi], ls, mask, tm.masked, warp_row0 + mi * 16, n0,
                                     tm.RowSeg(16 * mi), tm.col_seg, lane);
       if constexpr (kExtra) {
-        if (ex.Any()) {
-          ApplyExtras<false, kN>(acc_s[mi], ex, static_cast<int>(tile.r), warp_row0 + mi * 16, n0,
-                                 lane);
+        if (Extras::Any(p)) {
+          ApplyExtras<T, false, kN>(acc_s[mi], p, ex, static_cast<int>(tile.r), warp_row0 + mi * 16,
+                                    n0, lane);
         }
       }
       OnlineSoftmax<kN>(acc_s[mi], row_max[mi], row_sum[mi], correction[mi], ls.fold);
