@@ -876,6 +876,33 @@ def test_bias_not_differentiated_skips_dbias(implementation, rng):
   assert "has_dbias = true" in grad_text((0, 1))
 
 
+@pytest.mark.parametrize("bias_shape", [(2, 8, 40, 56), (1, 8, 40, 56)], ids=["full", "bcast"])
+def test_bias_grad_deterministic(bias_shape, implementation, rng):
+  """dq, dk, dv and dbias bitwise identical across two compilations: a full bias's gradient
+  is stored once per element; a broadcast one is summed in a fixed order on the CPU (the
+  CUDA kernels add it with float32 atomics, as XLA's GPU reductions may: documented, not
+  asserted)."""
+  case = Case(2, 40, 56, 8, 2, 32, jnp.bfloat16, Opts(causal=True))
+  q, k, v = make_qkv(rng, case)
+  bias = oracle.randn(rng, bias_shape, jnp.bfloat16)
+  mask = jnp.asarray(rng.random((2, 1, 40, 56)) < 0.9)
+  do = oracle.randn(rng, case.q_shape, case.dtype)
+
+  def loss(q, k, v, bias):
+    o = jaxgpu.dot_product_attention(q, k, v, bias, mask, is_causal=True,
+                                     implementation=implementation)
+    return jnp.sum(o.astype(jnp.float32) * do.astype(jnp.float32))
+
+  runs = [jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3)))(q, k, v, bias) for _ in range(2)]
+  atomics = bias_shape[0] == 1 and (implementation == "cuda" or HAS_CUDA)
+  for i, (a, b) in enumerate(zip(*runs)):
+    if atomics and i == 3:
+      np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(b, np.float32),
+                                 rtol=1e-2, atol=1e-2)
+    else:
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+
+
 def test_extras_vmap(implementation, rng):
   """vmap with a bias and a mask shared by every example or batched, lengths batched;
   vmap of grad with the bias's gradient per example."""
