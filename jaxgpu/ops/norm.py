@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxgpu import _autodiff, _checks, _ffi, _implementation
+from jaxgpu import _autodiff, _checks, _implementation
 from jaxgpu._family import Family, Op
 from jaxgpu._kernel_op import Layout, grouped_call, match_primal_types, primal_types
 from jaxgpu.reference import norm as reference
@@ -125,8 +125,12 @@ _PARTIAL_FLOATS = 1 << 21
 
 
 def _workspace_slots(cfg: _Config, groups: int, rows: int, dim: int) -> int:
-  if cfg.implementation == "cpu" or (cfg.implementation is None and not _ffi.has_cuda_backend()):
-    return 0  # the CPU kernel sums in float64 in row order and needs none
+  # The CPU kernel sums in float64 in row order and needs none, but a platform-generic call
+  # (implementation None) sizes it even on a CPU-only machine: a program traced there and
+  # exported for ("cpu", "cuda") must carry the workspace its CUDA lowering needs. The CPU
+  # handler leaves it untouched (at most 8 MiB of float32).
+  if cfg.implementation == "cpu":
+    return 0
   return max(1, min(rows, -(-_PARTIAL_FLOATS // max(1, dim * groups))))
 
 
