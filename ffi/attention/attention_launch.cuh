@@ -93,31 +93,45 @@ inline cudaError_t FlatGrid(int64_t heads, int64_t tiles, dim3* grid) {
   return cudaSuccess;
 }
 
-// Launches a kernel taking (p, LogitScale) with Tr's threads and shared memory over a
-// FlatGrid of (head, tile).
+// The current device's opt-in limit of dynamic shared memory per block (0 if unknown).
+inline int64_t SmemOptInLimit() {
+  int device = 0, bytes = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&bytes, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) !=
+          cudaSuccess) {
+    return 0;
+  }
+  return bytes;
+}
+
+// Launches a kernel taking (p, LogitScale) with Tr's threads and shared memory (or
+// smem_bytes: the kExtra kernels' staged bias and mask blocks) over a FlatGrid of (head,
+// tile).
 template <typename Tr, typename Kernel>
 cudaError_t LaunchOverTiles(Kernel kernel, int64_t heads, int64_t tiles, const AttentionParams& p,
-                            cudaStream_t stream) {
-  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+                            cudaStream_t stream, int64_t smem_bytes = Tr::kSmemBytes) {
+  JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, smem_bytes));
   dim3 grid;
   JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(heads, tiles, &grid));
-  kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
-      p, MakeLogitScale(p.scale, p.softcap, p.dtype));
+  kernel<<<grid, Tr::kThreads, smem_bytes, stream>>>(p,
+                                                     MakeLogitScale(p.scale, p.softcap, p.dtype));
   return cudaGetLastError();
 }
 
 // The forward and dQ kernels: (query head, query tile of Tr::kBlockM) (DecodeQueryTile).
 template <typename Tr, typename Kernel>
-cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+cudaError_t LaunchOverQueryTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream,
+                                 int64_t smem_bytes = Tr::kSmemBytes) {
   return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads * p.group, CeilDiv(p.q_len, Tr::kBlockM),
-                             p, stream);
+                             p, stream, smem_bytes);
 }
 
 // The dK/dV kernels: (kv head, key tile of Tr::kBlockN x Tr::kSlices feature slices).
 template <typename Tr, typename Kernel>
-cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream) {
+cudaError_t LaunchOverKeyTiles(Kernel kernel, const AttentionParams& p, cudaStream_t stream,
+                               int64_t smem_bytes = Tr::kSmemBytes) {
   return LaunchOverTiles<Tr>(kernel, p.batch * p.kv_heads,
-                             CeilDiv(p.kv_len, Tr::kBlockN) * Tr::kSlices, p, stream);
+                             CeilDiv(p.kv_len, Tr::kBlockN) * Tr::kSlices, p, stream, smem_bytes);
 }
 
 }  // namespace jaxgpu::cuda::attention

@@ -75,6 +75,9 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
   const int m_last = min(m0 + kM, mask.q_len) - 1;
   const int row0 = m0 + warp * kMT * 16;  // this warp's first query
   const Extras ex = MakeExtras(p, b, tile.kh);
+  using XT = ExtraTiles<kM, kN, 2>;
+  const typename XT::Stage stage =
+      kExtra ? XT::MakeStage(p, Tr::kSmemBytes) : typename XT::Stage{-1, -1};
 
   const T* k = static_cast<const T*>(p.k) + off.kv;
   const T* v = static_cast<const T*>(p.v) + off.kv;
@@ -100,6 +103,10 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(skv, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
     if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
+    if constexpr (kExtra) {
+      XT::template LoadAsync<Tr::kThreads>(smem_raw, stage, p, ex, static_cast<int>(tile.r), buf,
+                                           m0, nb * kN);
+    }
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(
@@ -137,6 +144,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
         if (Extras::Any(p)) {
           // p from the biased, masked logit; the softcap's slope from ToLogits's output.
           const int r = static_cast<int>(tile.r);
+          const typename XT::Tile staged = stage.At(smem_raw, p, buf, m0, n0);
 #pragma unroll
           for (int j = 0; j < kN / 8; ++j) {
 #pragma unroll
@@ -144,7 +152,8 @@ __global__ void __launch_bounds__(Tr::kThreads) DqKernel(AttentionParams p, Logi
               const int i = row0 + mi * 16 + g + 8 * (e >> 1);
               const int k = n0 + 8 * j + 2 * (lane & 3) + (e & 1);
               const float x = s[mi][j][e];
-              const float pr = ProbOfLogit(ex.Apply<T>(p, x, r, i, k), lse2[mi][e >> 1], ls);
+              const float pr =
+                  ProbOfLogit(ex.Apply<T>(p, x, r, i, k, staged), lse2[mi][e >> 1], ls);
               const float grad = pr * (dp[mi][j][e] - delta[mi][e >> 1]);
               ex.AddBiasGrad(p, grad, r, i, k);
               dp[mi][j][e] = GradWeight<kSoftcap>(x, grad);
@@ -246,6 +255,10 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
   const int H = static_cast<int>(p.head_dim);
   const int n0 = tile.n_block * kN;
   const Extras ex = MakeExtras(p, tile.b, tile.kh);
+  // The bias and mask blocks of each step (queries x this CTA's keys), buffered as Q/dO.
+  // Their offsets are formed where used: held across the loop, sm_80 ptxas spilled 180
+  // bytes at H = 128 (12 before the staging), 132 at H = 96 (0).
+  using XT = ExtraTiles<kM, kN, Tr::kBuffers>;
   const int n_last = min(n0 + kN, mask.kv_len) - 1;
   const int col0 = slice * kAcc;  // this CTA's feature columns of dK and dV
   const int pair_row0 = pair * Tr::kPairKeys;
@@ -270,6 +283,10 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
     LoadPairAsync<kM, kHeadDim, Tr::kThreads>(sqdo, c.buf, q + head, d_o + head, off0.q_ld, m0,
                                               mask.q_len, H);
     words.LoadStep(c.buf, p, mask, segments, stats, m0);
+    if constexpr (kExtra) {
+      XT::template LoadAsync<Tr::kThreads>(smem_raw, XT::MakeStage(p, Tr::kSmemBytes), p, ex, c.r,
+                                           c.buf, m0, n0);
+    }
   };
   StepCursor next_load;
   if (steps > 0) {
@@ -315,6 +332,8 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
     // (p = 0; their Q and dO rows are zeros anyway).
     auto column_ok = [&](int j, int c) { return m0 + 8 * j + 2 * t + c < mask.q_len; };
     if (probs_warp) {
+      typename XT::Tile staged{smem_raw, -1, -1, 0, 0};
+      if constexpr (kExtra) staged = XT::MakeStage(p, Tr::kSmemBytes).At(smem_raw, p, buf, m0, n0);
       ScoresFromSmem<T, kHeadDim, kM, 2>(x, sk, pair_row0, sq(buf), H, lane);
 #pragma unroll
       for (int mi = 0; mi < 2; ++mi) {
@@ -338,7 +357,7 @@ __global__ void __launch_bounds__(Tr::kThreads) DkvKernel(AttentionParams p, Log
               // p from the biased, masked logit; the softcap's slope from ToLogits's output.
               if (Extras::Any(p)) {
                 biased = ex.Apply<T>(p, biased, step_r, m0 + 8 * j + 2 * t + (e & 1),
-                                     key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1));
+                                     key0 + 16 * mi + (lane >> 2) + 8 * (e >> 1), staged);
               }
             }
             const float pr = ProbOfLogit(biased, lse2[e & 1], ls);
@@ -389,8 +408,10 @@ cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream) {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
         if (HasExtras(p)) {
-          return LaunchOverQueryTiles<DqTraits<D>>(DqKernel<T, DqTraits<D>, true, kSoftcap, true>,
-                                                   p, stream);
+          using Tr = DqTraits<D>;
+          return LaunchOverQueryTiles<Tr>(DqKernel<T, Tr, true, kSoftcap, true>, p, stream,
+                                          ExtraTiles<Tr::kBlockM, Tr::kBlockN, 2>::SmemBytes(
+                                              p, Tr::kSmemBytes, SmemOptInLimit()));
         }
         // Keys past S in the dQ kernel's last tile must be masked (DqTraits's tile).
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, DqTraits<D>::kBlockN), kMaskable, [&] {
@@ -407,8 +428,11 @@ cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream) {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
         if (HasExtras(p)) {
-          return LaunchOverKeyTiles<DkvTraits<D>>(DkvKernel<T, DkvTraits<D>, true, kSoftcap, true>,
-                                                  p, stream);
+          using Tr = DkvTraits<D>;
+          return LaunchOverKeyTiles<Tr>(
+              DkvKernel<T, Tr, true, kSoftcap, true>, p, stream,
+              ExtraTiles<Tr::kBlockM, Tr::kBlockN, Tr::kBuffers>::SmemBytes(p, Tr::kSmemBytes,
+                                                                            SmemOptInLimit()));
         }
         // The mask decided on DqTraits's key tile, as for dQ: the dK/dV kernel's own tails
         // need none (its keys past S are rows it never stores, its queries past T get p = 0).

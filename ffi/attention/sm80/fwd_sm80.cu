@@ -41,6 +41,25 @@ struct FwdTraits {
   static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
 };
 
+// The kExtra kernels' tile: one row tile of 16 queries per warp (128 queries per CTA up to
+// H = 128), so that a bias and a mask block of every pipeline stage fit in shared memory
+// beside K and V (ExtraTiles: 2 stages of 128 x 64 keys, bf16 bias + mask 56 KiB, float32
+// bias + mask 92 KiB); the kMTiles = 2 tile's 256 x 64 blocks would not (bf16 bias + mask
+// 250 KiB in all against the H100's 227).
+template <int kHeadDim_>
+struct FwdExtraTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr int kMTiles = 1;
+  static constexpr int kWarps = FwdTraits<kHeadDim>::kWarps;
+  static constexpr int kBlockM = 16 * kWarps;
+  static constexpr int kBlockN = FwdTraits<kHeadDim>::kBlockN;
+  static constexpr int kThreads = 32 * kWarps;
+  static constexpr int kSegOffset = (kBlockM + 4 * kBlockN) * SmemTile<kHeadDim>::kStride * 2;
+  // Without the staged blocks, which follow (ExtraTiles::SmemBytes).
+  static constexpr int kSmemBytes = kSegOffset + (kBlockM + 2 * kBlockN) * 4;
+  static_assert(kSmemBytes % 16 == 0, "16-byte aligned staged blocks");
+};
+
 // kExtra (with kMaskable): the bias, the mask and the sequence lengths (attention_extras.cuh,
 // MakeMask<true>), read only by these instantiations.
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kExtra>
@@ -66,6 +85,9 @@ __global__ void __launch_bounds__(Tr::kThreads)
   const int m0 = tile.m_block * kM;
   const int m_last = min(m0 + kM, mask.q_len) - 1;
   const Extras ex = MakeExtras(p, b, tile.kh);
+  using XT = ExtraTiles<kM, kN, 2>;
+  const typename XT::Stage stage =
+      kExtra ? XT::MakeStage(p, Tr::kSmemBytes) : typename XT::Stage{-1, -1};
 
   const T* q = static_cast<const T*>(p.q) + off.q + m0 * off.q_ld;
   const T* k = static_cast<const T*>(p.k) + off.kv;
@@ -90,6 +112,10 @@ __global__ void __launch_bounds__(Tr::kThreads)
   auto load_kv = [&](int nb, int buf) {
     LoadPairAsync<kN, kHeadDim, Tr::kThreads>(sk, buf, k, v, off.kv_ld, nb * kN, mask.kv_len, H);
     if (segments) LoadRowWordsAsync(skv_seg + buf * kN, mask.kv_seg, nb * kN, mask.kv_len, kN);
+    if constexpr (kExtra) {
+      XT::template LoadAsync<Tr::kThreads>(smem_raw, stage, p, ex, static_cast<int>(tile.r), buf,
+                                           m0, nb * kN);
+    }
   };
   if (n_begin < n_end) {
     LoadTileAsync<kM, kHeadDim, Tr::kThreads>(sq, q, off.q_ld, mask.q_len - m0, H);
@@ -126,7 +152,7 @@ __global__ void __launch_bounds__(Tr::kThreads)
       if constexpr (kExtra) {
         if (Extras::Any(p)) {
           ApplyExtras<T, false, kN>(acc_s[mi], p, ex, static_cast<int>(tile.r), warp_row0 + mi * 16,
-                                    n0, lane);
+                                    n0, lane, stage.At(smem_raw, p, buf, m0, n0));
         }
       }
       OnlineSoftmax<kN>(acc_s[mi], row_max[mi], row_sum[mi], correction[mi], ls.fold);
@@ -163,8 +189,11 @@ cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
     return JAXGPU_HEAD_DIM_SWITCH(p.head_dim, D, [&] {
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&]() -> cudaError_t {
         if (HasExtras(p)) {
-          return LaunchOverQueryTiles<FwdTraits<D>>(
-              AttentionFwdKernel<T, FwdTraits<D>, true, kSoftcap, true>, p, stream);
+          using Tr = FwdExtraTraits<D>;
+          return LaunchOverQueryTiles<Tr>(AttentionFwdKernel<T, Tr, true, kSoftcap, true>, p,
+                                          stream,
+                                          ExtraTiles<Tr::kBlockM, Tr::kBlockN, 2>::SmemBytes(
+                                              p, Tr::kSmemBytes, SmemOptInLimit()));
         }
         // Keys past S in the last tile must be masked in the softmax sums (FwdTraits's tile).
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, FwdTraits<D>::kBlockN), kMaskable, [&] {
