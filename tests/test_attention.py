@@ -776,6 +776,14 @@ GPU_EXTRA_CASES = [
     (Case(2, 113, 113, 4, 4, 96, jnp.bfloat16, Opts(causal=True, softcap=3.0)),
      Extra(bias=(4, 113, 113), bias_dtype=jnp.float32, rank3=False, lengths="kv")),
     (Case(1, 1023, 255, 8, 2, 32, jnp.float16), Extra(mask=(1023, 255), rank3=True)),
+    # S a multiple of 16 with contiguous key rows: the bias and mask blocks are staged in
+    # shared memory by cp.async (the cases above read per element from global memory).
+    (Case(2, 500, 1024, 4, 2, 128, jnp.bfloat16),
+     Extra(bias=(1, 4, 500, 1024), mask=(2, 1, 500, 1024), lengths="kv")),
+    (Case(2, 200, 256, 4, 4, 64, jnp.float16, Opts(causal=True, softcap=5.0)),
+     Extra(bias="full", bias_dtype=jnp.float32, mask=(1, 1, 200, 256), lengths="both")),
+    (Case(2, 320, 512, 4, 2, 128, jnp.bfloat16, Opts(segments=True)),
+     Extra(bias=(2, 4, 1, 512))),
 ]
 
 
