@@ -228,6 +228,16 @@ def _mark_targets(bench: harness.Bench, case: Case, pass_: str, recs, plain_time
             r.target_met = r.time_us <= TARGET_OPTIONS_SLOWDOWN * plain
 
 
+def _arg_sets(bench: harness.Bench, make, case, dtype, pass_, key):
+    """Enough copies of one case's arguments to defeat L2 between timed calls."""
+    import jax
+
+    one = functools.partial(make, case=case, dtype=dtype, pass_=pass_)
+    set_bytes = inputs.tree_nbytes(jax.eval_shape(one, key))
+    return inputs.make_arg_sets(one, key, set_bytes, bench.l2_bytes,
+                                max_copies=2 if bench.quick else None)
+
+
 def run(bench: harness.Bench) -> None:
     import jax
     import jax.numpy as jnp
@@ -249,10 +259,7 @@ def run(bench: harness.Bench) -> None:
     for case in cases:
         for pass_ in ("fwd", "fwd+bwd"):
             key, sub = jax.random.split(key)
-            one = functools.partial(make_inputs, case=case, dtype=dtype, pass_=pass_)
-            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
-            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
-                                             max_copies=2 if bench.quick else None)
+            arg_sets = _arg_sets(bench, make_inputs, case, dtype, pass_, sub)
             make = make_fwd if pass_ == "fwd" else make_fwd_bwd
             fns = {}
             for impl in impls:
@@ -411,10 +418,7 @@ def run_extras(bench: harness.Bench) -> None:
             impls = (kernel, ANCHOR, "xla")
         for pass_ in ("fwd", "fwd+bwd"):
             key, sub = jax.random.split(key)
-            one = functools.partial(extra_inputs, case=case, dtype=dtype, pass_=pass_)
-            set_bytes = inputs.tree_nbytes(jax.eval_shape(one, sub))
-            arg_sets = inputs.make_arg_sets(one, sub, set_bytes, bench.l2_bytes,
-                                             max_copies=2 if bench.quick else None)
+            arg_sets = _arg_sets(bench, extra_inputs, case, dtype, pass_, sub)
             what = f"{case.op} {case.label()} {pass_}"
             fns = {}
             for impl in impls:
