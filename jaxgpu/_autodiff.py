@@ -74,7 +74,7 @@ def route(implementation: str | None, *arrays) -> str | None:
 def op_names(local_fn, *args) -> tuple[str, ...]:
   """The public ops whose FFI targets `local_fn` calls on arrays like `args` (read from a
   trace of it), for error messages."""
-  from jaxgpu import _family  # noqa: PLC0415 (_family imports the op modules)
+  from jaxgpu import _family, _ffi  # noqa: PLC0415 (_family imports the op modules)
 
   try:
     jaxpr = jax.make_jaxpr(local_fn)(*(jax.ShapeDtypeStruct(a.shape, a.dtype) for a in args))
@@ -83,8 +83,7 @@ def op_names(local_fn, *args) -> tuple[str, ...]:
   targets = {str(eqn.params.get("target_name", "")) for eqn in jaxpr.jaxpr.eqns}
   names = []
   for name, (_, op) in _family.all_ops().items():
-    declared = {t for base in op.targets.values() for t in
-                (base, f"{base}_cpu", f"{base}_cuda")}
+    declared = {t for base in op.targets.values() for t in _ffi.platform_target_names(base)}
     if declared & targets:
       names.append(name)
   return tuple(names)
