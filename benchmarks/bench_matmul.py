@@ -4,6 +4,7 @@ quantized linear, against XLA in the same run.
     python3 benchmarks/bench_matmul.py                 # GPU: writes results/
     python3 benchmarks/bench_matmul.py --out $OUT      # also writes $OUT/<gpu>.json, RESULTS.md
     python3 benchmarks/bench_matmul.py --quick --no-write   # CPU smoke test: cpu vs xla
+    python3 benchmarks/bench_matmul.py --parts dense        # only the dense cases
 
 Dense (bf16; op 'linear'; anchor 'xla' = the same math as a JAX user writes it in bf16,
 `x @ w` or `jax.nn.gelu(x @ w + b)`: XLA's GEMM and its fusions). (M, K, N) in 8192^3,
@@ -177,13 +178,22 @@ def _mark_quantized(bench, r, kernel, m) -> None:
   r.target_met = (r.vs_anchor or 0) >= want
 
 
+PARTS = {"dense": _dense, "quantized": _quantized}
+
+
 def run(bench: harness.Bench) -> None:
   kernel = "cuda" if bench.on_gpu else "cpu"
   if not bench.args.repeats and not bench.quick:
     bench.config.repeats = 5
-  _dense(bench, kernel)
-  _quantized(bench, kernel)
+  for part in bench.args.parts.split(","):
+    if part not in PARTS:
+      raise SystemExit(f"--parts: unknown part {part!r}; parts: {list(PARTS)}")
+    PARTS[part](bench, kernel)
+
+
+def _extend(p) -> None:
+  p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
 
 
 if __name__ == "__main__":
-  sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0]))
+  sys.exit(harness.main(FAMILY, run, description=__doc__.splitlines()[0], extend_parser=_extend))

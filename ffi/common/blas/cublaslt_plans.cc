@@ -2,11 +2,14 @@
 #include "common/blas/cublaslt_plans.h"
 
 #include <cstdint>
+#include <vector>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+
+#include "common/blas/cublaslt_tuning.h"
 
 namespace jaxgpu::blas {
 
@@ -53,11 +56,14 @@ std::string LtError(const char* what, cublasStatus_t s) {
          cublasLtGetStatusString(s) + ")";
 }
 
-// The descriptors of one plan; the algorithm the heuristic chose for them.
+// The descriptors of one plan; the heuristic's answers for them and the one that runs: the
+// first answer until the first call times them all (cublaslt_tuning.h).
 struct Plan {
   cublasLtMatmulDesc_t desc = nullptr;
   cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+  std::vector<cublasLtMatmulAlgo_t> candidates;
   cublasLtMatmulAlgo_t algo{};
+  bool tuned = false;
   // Calls set the per-call pointers (bias, aux, scales) on `desc`: one call at a time.
   std::mutex mu;
 };
@@ -192,21 +198,24 @@ class Cache {
     pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_B_BYTES, &align, sizeof(align));
     pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_C_BYTES, &align, sizeof(align));
     pref_set(CUBLASLT_MATMUL_PREF_MIN_ALIGNMENT_D_BYTES, &align, sizeof(align));
-    cublasLtMatmulHeuristicResult_t result{};
+    std::vector<cublasLtMatmulHeuristicResult_t> results(CandidateCount());
     int found = 0;
     if (s == CUBLAS_STATUS_SUCCESS) {
-      s = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref, 1, &result,
-                                         &found);
+      s = cublasLtMatmulAlgoGetHeuristic(handle, p->desc, p->a, p->b, p->c, p->d, pref,
+                                         static_cast<int>(results.size()), results.data(), &found);
     }
     cublasLtMatmulPreferenceDestroy(pref);
     if (s != CUBLAS_STATUS_SUCCESS) return Status::Error(LtError("algorithm heuristic", s));
-    if (found == 0) {
+    for (int i = 0; i < found; ++i) {
+      if (results[i].state == CUBLAS_STATUS_SUCCESS) p->candidates.push_back(results[i].algo);
+    }
+    if (p->candidates.empty()) {
       return Status::Error("cuBLASLt: no algorithm for this problem (m " + std::to_string(key.m) +
                            ", n " + std::to_string(key.n) + ", k " + std::to_string(key.k) +
                            ", workspace " + std::to_string(key.workspace_bytes) +
                            " bytes, alignment " + std::to_string(key.alignment) + ")");
     }
-    p->algo = result.algo;
+    p->algo = p->candidates[0];
     return Status::Ok();
   }
 
@@ -266,6 +275,12 @@ Status Matmul(const GemmKey& key, const GemmOperands& ops, cudaStream_t stream) 
   if (Status s = Cache::Get().FindPlan(key, &handle, &plan); !s.ok()) return s;
 
   std::lock_guard<std::mutex> lock(plan->mu);
+  if (!plan->tuned) {
+    plan->tuned = true;
+    const int best = FastestCandidate(key, handle, {plan->desc, plan->a, plan->b, plan->c, plan->d},
+                                      plan->candidates);
+    if (best >= 0) plan->algo = plan->candidates[best];
+  }
   cublasStatus_t s = CUBLAS_STATUS_SUCCESS;
   auto set = [&](cublasLtMatmulDescAttributes_t attr, const void* v, size_t bytes) {
     if (s == CUBLAS_STATUS_SUCCESS) s = cublasLtMatmulDescSetAttribute(plan->desc, attr, v, bytes);
