@@ -7,8 +7,7 @@
 
 namespace jaxgpu::cuda {
 
-// The split kernel on `stream`, whose blocks also combine the splits; with several splits,
-// after a memset of the combine's counters in p.workspace.
+// The split kernel, then (num_splits > 1) the combine kernel, on `stream`.
 cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t stream);
 // Scatters the new tokens into p.k_pages / p.v_pages, which must already hold the caches.
 cudaError_t LaunchPagedKvUpdate(const PagedKvUpdateParams& p, cudaStream_t stream);

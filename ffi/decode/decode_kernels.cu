@@ -1,13 +1,13 @@
-// Decode attention over a paged KV cache (split-KV, "flash decoding"): the launcher and the
-// CUDA-core split kernel for a float32 query. A 16-bit query runs the tensor-core split
-// kernel (decode_tc_kernels.cu); both share the merge, the combine of the splits and the
-// workspace layout (decode_split.cuh).
+// Decode attention over a paged KV cache (split-KV, "flash decoding"): the launcher, the
+// CUDA-core split kernel for a float32 query, and the combine of the splits. A 16-bit
+// query runs the tensor-core split kernel (decode_tc_kernels.cu); both share the merge
+// and the workspace layout (decode_split.cuh).
 //
 // Napkin math (H100, bf16, GQA 32/8, H = 128, Tq = 1): a token's K and V for the 8 kv heads
 // are 2 x 8 x 128 x 2 B = 4 KiB. B = 8 rows of L = 32k tokens is 1 GiB of cache that must be
 // read once: ~358 us at the ~3.0 TB/s a device copy reaches (cuDNN on a contiguous cache:
 // 377 us). Queries, the output and the split workspace are KBs to a few MB. B = 1, L = 4k:
-// 16 MiB, ~5.6 us of reading, so the launches, the split count and the combine dominate.
+// 16 MiB, ~5.6 us of reading, so the launch, the split count and the combine dominate.
 //
 // CUDA-core kernel (float32 queries: no float32 tensor-core product is exact enough). A
 // block owns one (group, row, kv head), one split of the row's keys, and kRowTile query
@@ -27,8 +27,7 @@
 // share of the row's ACTUAL visible key range at run time, so a short row in a long table
 // still spreads its keys over every split. With one split the block writes the output;
 // otherwise it writes its normalized partial output and log2-sum-exp to the float32
-// workspace, and the last split block of its (row, kv head, row tile) to finish weights
-// the partials by exp2(lse_i - lse) (decode_split.cuh, CombineIfLast).
+// workspace, and the combine kernel weights the partials by exp2(lse_i - lse).
 //
 // Out of range. A row's key range is [max(0, len - Tq - window), len) for 0 <= len <=
 // M x S and empty otherwise (so the table is only read at columns < M); a key whose table
@@ -53,6 +52,7 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kRowTile = 8;  // query rows of one kv head per block
 constexpr int kUnroll = 4;   // keys per stream whose K and V loads are in flight at once
 constexpr int kPerLane = 8;  // head-dim values per lane: 16 bytes of a 16-bit type
+constexpr int kCombineThreads = 128;
 
 // 8 consecutive values at `src` (16-byte aligned) as float.
 template <typename T>
@@ -132,9 +132,6 @@ __global__ void __launch_bounds__(kThreads)
   __shared__ float s_o[kStreams][kRowTile][kWidth];
   __shared__ float s_m[kStreams][kRowTile];
   __shared__ float s_l[kStreams][kRowTile];
-  // The combine's weights (splits x kRowTile) and row statistics (2 x kRowTile) reuse s_o and
-  // s_m: 1024 splits x 8 rows fit s_o for every kLanes.
-  static_assert(kStreams * kWidth >= kMaxCombineSplits && kStreams >= 2, "combine scratch");
 
   const int64_t rk = blockIdx.x;  // (group x B + row) x K + kv head
   const int split = blockIdx.y;
@@ -295,15 +292,54 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
   __syncthreads();
-  // The block's coordinates again (BlockIndexAgain: not kept in registers across the loop).
-  const uint3 at = decode::BlockIndexAgain();
-  const int64_t row0 = int64_t(at.z) * kRowTile;
-  decode::WriteMergedRows<T>(p, at.x, int(at.y), rows_per_kv, row0, kRowTile, kStreams, &s_m[0][0],
-                             &s_l[0][0], &s_o[0][0][0], kWidth, int64_t(gridDim.x) * p.num_splits);
-  uint32_t* counter = decode::SplitCounters(p, rows_per_kv) + int64_t(at.x) * gridDim.z + at.z;
-  decode::CombineIfLast<T, kRowTile>(p, at.x, rows_per_kv, row0, counter, &s_m[0][0],
-                                     &s_o[0][0][0]);
+  decode::WriteMergedRows<T>(p, rk, split, rows_per_kv, int64_t(tile) * kRowTile, kRowTile,
+                             kStreams, &s_m[0][0], &s_l[0][0], &s_o[0][0][0], kWidth,
+                             int64_t(gridDim.x) * p.num_splits);
 }
+
+// One block per (group, row, kv head, query row of the kv head): the splits' partial
+// outputs weighted by exp2(lse_i - max lse) / sum of the weights.
+template <typename T>
+__global__ void __launch_bounds__(kCombineThreads)
+    PagedAttentionCombineKernel(const PagedAttentionParams p, int64_t rows_per_kv) {
+  __shared__ float s_w[kMaxCombineSplits];
+  const int64_t bid = blockIdx.x;
+  const int64_t rk = bid / rows_per_kv, rr = bid % rows_per_kv;
+  const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
+  const int64_t H = p.head_dim, rep = p.heads / p.kv_heads;
+  const int splits = p.num_splits;
+  const int64_t n_partials = int64_t(gridDim.x / rows_per_kv) * splits;
+  const float* lse = p.workspace + n_partials * rows_per_kv * H;
+  if (threadIdx.x == 0) {
+    float top = -INFINITY;
+    for (int sp = 0; sp < splits; ++sp)
+      top = fmaxf(top, lse[(rk * splits + sp) * rows_per_kv + rr]);
+    float total = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      const float w =
+          top == -INFINITY ? 0.f : exp2f(lse[(rk * splits + sp) * rows_per_kv + rr] - top);
+      s_w[sp] = w;
+      total += w;
+    }
+    const float inv = total > 0.f ? 1.f / total : 0.f;
+    for (int sp = 0; sp < splits; ++sp) s_w[sp] *= inv;
+  }
+  __syncthreads();
+  const int64_t t = rr / rep, n = kvh * rep + rr % rep;
+  T* out = static_cast<T*>(p.out) + ((r * p.q_len + t) * p.heads + n) * H;
+  for (int64_t h = threadIdx.x; h < H; h += kCombineThreads) {
+    float acc = 0.f;
+    for (int sp = 0; sp < splits; ++sp) {
+      // A split that saw nothing has weight 0 and a zero partial: it adds exactly 0.
+      acc = fmaf(s_w[sp], p.workspace[((rk * splits + sp) * rows_per_kv + rr) * H + h], acc);
+    }
+    out[h] = FromFloat<T>(acc);
+  }
+}
+
+}  // namespace
+
+namespace {
 
 // The CUDA-core split kernel: a float32 query over a float32 or 8-bit cache.
 cudaError_t LaunchCudaCoreSplit(const PagedAttentionParams& p, int64_t rows_per_kv,
@@ -314,8 +350,6 @@ cudaError_t LaunchCudaCoreSplit(const PagedAttentionParams& p, int64_t rows_per_
   const dim3 grid(unsigned(p.groups * p.batch * p.kv_heads), unsigned(p.num_splits),
                   unsigned(tiles));
   const int lanes = NextPow2(CeilDiv(p.head_dim, kPerLane));
-  const cudaError_t err = decode::ZeroSplitCounters(p, rows_per_kv, tiles, stream);
-  if (err != cudaSuccess) return err;
   constexpr DTypeSet kCaches =
       DTypeBit(DType::kF32) | DTypeBit(DType::kS8) | DTypeBit(DType::kF8E4M3);
   return JAXGPU_DTYPE_SWITCH(p.kv_dtype, KV, kCaches, [&] {
@@ -340,14 +374,16 @@ cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t str
       p.page_size * p.kv_heads * p.head_dim > INT32_MAX) {
     return cudaErrorInvalidConfiguration;
   }
-  // One split fewer than the workspace was sized for: the combine's counters take the room
-  // of the last (PagedAttentionWorkspaceSize). The tensor-core launcher may lower the count
-  // further.
-  PagedAttentionParams run = p;
-  if (run.num_splits > 1) --run.num_splits;
-  return decode::TensorCoreKernelTakes(run)
-             ? decode::LaunchTensorCoreSplit(&run, rows_per_kv, stream)
-             : LaunchCudaCoreSplit(run, rows_per_kv, stream);
+  PagedAttentionParams run = p;  // the tensor-core launcher may lower num_splits
+  const cudaError_t err = decode::TensorCoreKernelTakes(run)
+                              ? decode::LaunchTensorCoreSplit(&run, rows_per_kv, stream)
+                              : LaunchCudaCoreSplit(run, rows_per_kv, stream);
+  if (err != cudaSuccess || run.num_splits == 1) return err;
+  return JAXGPU_DTYPE_SWITCH(run.dtype, T, kFloatDTypes, [&] {
+    PagedAttentionCombineKernel<T>
+        <<<unsigned(blocks * rows_per_kv), kCombineThreads, 0, stream>>>(run, rows_per_kv);
+    return cudaGetLastError();
+  });
 }
 
 }  // namespace jaxgpu::cuda

@@ -63,8 +63,8 @@ struct PagedAttentionParams {
   void* out;
   // Split-KV: each (group, row, kv head) is split over num_splits thread blocks, which
   // write their normalized partial outputs and log2-sum-exps here (see
-  // PagedAttentionWorkspaceSize); the last of them to finish combines them. Unused with
-  // one split (then empty) and by the CPU implementation.
+  // PagedAttentionWorkspaceSize); a combine kernel reduces them. Unused with one split
+  // (then empty) and by the CPU implementation.
   float* workspace;
   int32_t num_splits;
   float scale;          // > 0
@@ -79,10 +79,6 @@ inline int64_t PagedAttentionRowsPerKvHead(const PagedAttentionParams& p) {
 
 // float32 elements of the workspace: per (group, row, kv head, split), the partial output
 // (rows per kv head, H) and then, after all of those, one log2-sum-exp per partial row.
-// The CUDA launcher runs at most num_splits - 1 splits and keeps, in the room the last one
-// leaves, one uint32 counter per (group, row, kv head, query row of the kv head) for the
-// combine (decode_split.cuh, SplitCounters): the size stays the one the targets' contract
-// fixed (README, Serialized programs: a result's shape is part of it).
 inline int64_t PagedAttentionWorkspaceSize(const PagedAttentionParams& p) {
   if (p.num_splits <= 1) return 0;
   return p.groups * p.batch * p.kv_heads * p.num_splits * PagedAttentionRowsPerKvHead(p) *

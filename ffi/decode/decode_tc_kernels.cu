@@ -15,10 +15,9 @@
 // tiles of kKeys = 64 keys (cp.async, 16-byte chunks read through the block table: one
 // table lookup per key), and warp w takes keys [16w, 16w + 16) of each tile with its own
 // online softmax (FlashAttention-2's, in registers: A/C fragment layouts as the attention
-// kernels'); the 4 warps' states are merged through shared memory at the end, and the last
-// split block of the (row, kv head, row tile) to finish combines the splits' partials
-// (decode_split.cuh, CombineIfLast). Tiles start at multiples of 64 keys, so a split's
-// range is whole tiles (the first masked below the window, the last at the row's length).
+// kernels'); the 4 warps' states are merged through shared memory at the end. Tiles start
+// at multiples of 64 keys, so a split's range is whole tiles (the first masked below the
+// window, the last at the row's length).
 //
 // 8-bit cache. The raw tile (half the bytes) lands in the ring (16-byte chunks swizzled
 // within each key row, see SwizzleK / SwizzleV), and each thread widens its own fragments
@@ -115,11 +114,6 @@ struct Layout {
   // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, from the ring on.
   static constexpr int kMergeBytes = kWarps * kRows * (kHD + 2) * 4;
   static_assert(kMergeBytes <= kBytes - kRing, "the merge fits over the tiles");
-  // Then the combine of the splits (CombineIfLast), from the base: 2 kRows floats of row
-  // statistics and kRows weights a split. At least the 64 splits jaxgpu/ops/decode.py sizes
-  // the workspace for at most; the launcher lowers a larger count to this.
-  static constexpr int kMergeSplits = (kBytes / 4 - 2 * kRows) / kRows;
-  static_assert(kMergeSplits >= 64, "the combine's weights of 64 splits fit");
   static_assert(kBytes <= 227 * 1024, "a block's shared memory fits an SM");
 };
 
@@ -685,24 +679,13 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     }
   }
   __syncthreads();
-  // The block's coordinates again (BlockIndexAgain: not kept in registers across the loop).
-  const uint32_t block = BlockIndexAgain().x;
-  const int tile_again = int(block % uint32_t(row_tiles));
-  const int64_t rest_again = block / uint32_t(row_tiles);
-  const int64_t rk_again = rest_again / p.num_splits;
-  const int64_t row0_again = int64_t(tile_again) * kRows;
   const int64_t rk_count = gridDim.x / (int64_t(row_tiles) * p.num_splits);
-  WriteMergedRows<T>(p, rk_again, int(rest_again % p.num_splits), rows_per_kv, row0_again, kRows,
-                     kWarps, s_m, s_l, s_o, kHD, rk_count * p.num_splits);
-  // The combine's scratch: the whole of the shared memory (L::kMergeSplits splits).
-  float* stats = reinterpret_cast<float*>(smem);
-  CombineIfLast<T, kRows>(p, rk_again, rows_per_kv, row0_again,
-                          SplitCounters(p, rows_per_kv) + rk_again * row_tiles + tile_again, stats,
-                          stats + 2 * kRows);
+  WriteMergedRows<T>(p, rk, split, rows_per_kv, row0, kRows, kWarps, s_m, s_l, s_o, kHD,
+                     rk_count * p.num_splits);
 }
 
-// The split count that keeps the GPU's block slots busiest: p.num_splits (from the
-// workspace's size, jaxgpu/ops/decode.py) is an upper bound; each count costs waves / splits of a
+// The split count that keeps the GPU's block slots busiest: p.num_splits (the workspace's
+// size, from jaxgpu/ops/decode.py) is an upper bound; each count costs waves / splits of a
 // whole row's time, waves = ceil(blocks / slots). Whole waves matter: measured on the H100
 // (bf16, 32/8, H 128, B 8, L 32k, 2 blocks an SM) the 5 splits of the old block-count rule
 // made 320 blocks for 264 slots and read 1.79 TB/s. Among counts within 3% of the best, the
@@ -744,15 +727,12 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
   if (err != cudaSuccess) return err;
   const int64_t rk_count = p->groups * p->batch * p->kv_heads;
   const int64_t row_tiles = CeilDiv(rows_per_kv, L::kRows);
-  if (p->num_splits > L::kMergeSplits) p->num_splits = L::kMergeSplits;
   if (slots > 0) {
     p->num_splits = ChooseSplits(rk_count * row_tiles, slots, p->num_splits,
                                  CeilDiv(p->max_pages * p->page_size, kKeys));
   }
   const int64_t blocks = rk_count * p->num_splits * row_tiles;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
-  err = ZeroSplitCounters(*p, rows_per_kv, row_tiles, stream);
-  if (err != cudaSuccess) return err;
   kernel<<<unsigned(blocks), kBlockThreads, L::kBytes, stream>>>(*p, rows_per_kv, int(row_tiles));
   return cudaGetLastError();
 }
