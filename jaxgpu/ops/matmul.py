@@ -8,11 +8,10 @@ benchmarks/bench_matmul.py.
 Dense. ``linear(x, w, bias, activation=...)`` is ``act(x @ w + bias)`` with float32
 accumulation. On CUDA the forward pass is one cuBLASLt call whose epilogue adds the bias
 and applies relu or the tanh gelu (and writes the pre-activation the gelu's backward pass
-needs, GELU_AUX); the backward pass is the activation's derivative with the bias gradient
-(one XLA fusion; relu reads its mask from y) and two cuBLASLt calls: dx = dz w^T and
-dw = x^T dz. Each cuBLASLt plan times the heuristic's top algorithms on its first call and
-keeps the fastest (ffi/common/blas/cublaslt_tuning.h). cuBLASLt has no exact-gelu or silu
-epilogue: those run the GEMM with its bias epilogue and the activation as an XLA fusion (also the
+needs, GELU_AUX); the backward pass is the activation's derivative (one elementwise XLA
+fusion; relu reads its mask from y) and two cuBLASLt calls: dx = dz w^T, and dw = x^T dz
+with the bias gradient fused in (BGRADA). cuBLASLt has no exact-gelu or silu epilogue:
+those run the GEMM with its bias epilogue and the activation as an XLA fusion (also the
 tanh gelu when N is not a multiple of 8, which GELU_AUX needs, and in float32, where
 cuBLASLt's gelu is less accurate than float32 rounding). Float32 inputs are
 multiplied in full float32 (cuBLASLt's 32F compute, not TF32).
@@ -181,23 +180,23 @@ def _dgrad_call(cfg: _Config, dz, w):
   return grouped_call(local_fn, layout, dz, w)[0]
 
 
-def _wgrad_call(cfg: _Config, x, dz):
-  """dw (G, K, N) = x^T dz per group. The target's want_dbias (cuBLASLt's BGRADA) stays
-  for programs exported before the bias gradient moved into dz's fusion; jaxgpu no longer
-  asks for it (see _activation_grad)."""
-  layout = Layout(inputs=(_X, _Y), outputs=("g k n",), replicated=frozenset())
+def _wgrad_call(cfg: _Config, x, dz, want_dbias: bool):
+  """(dw (G, K, N), dbias (G, N) | None): x^T dz and dz's row sums, per group."""
+  layout = Layout(inputs=(_X, _Y), outputs=("g k n",) + ("g n",) * want_dbias,
+                  replicated=frozenset(), sources={1: (1,)} if want_dbias else {})
 
   def local_fn(x, dz):
     xr, dzr = _rows(x), _rows(dz)
     g, k, n = xr.shape[0], xr.shape[-1], dzr.shape[-1]
-    dw, _, _ = jax.ffi.ffi_call(
+    dw, db, _ = jax.ffi.ffi_call(
         cfg.target("wgrad"),
-        (jax.ShapeDtypeStruct((g, k, n), x.dtype), jax.ShapeDtypeStruct((0,), x.dtype),
-         _workspace(cfg)),
-    )(xr, dzr, want_dbias=False)
-    return (dw,)
+        (jax.ShapeDtypeStruct((g, k, n), x.dtype),
+         jax.ShapeDtypeStruct((g, n) if want_dbias else (0,), x.dtype), _workspace(cfg)),
+    )(xr, dzr, want_dbias=want_dbias)
+    return (dw,) + ((db,) if want_dbias else ())
 
-  return grouped_call(local_fn, layout, x, dz)[0]
+  outs = grouped_call(local_fn, layout, x, dz)
+  return outs[0], (outs[1] if want_dbias else None)
 
 
 # ---- the dense differentiable op -------------------------------------------------------------
@@ -226,25 +225,15 @@ def _forward(cfg: _Config, x, w, bias, for_grad: bool):
   return _finish(z[None], None, act, x.dtype)[0], z
 
 
-def _activation_grad(activation, dy, saved, want_dbias: bool):
-  """(dz, dbias | None): dz = dy * act'(z), formed in float32 and rounded to dy's dtype (relu:
-  y > 0 selects); dbias = dz's sum over the rows, from the float32 values before rounding.
-
-  XLA makes the two one fusion reading dy and z once. On the H100 at 8192 x 2304 x 9216
-  (bf16) cuBLASLt's BGRADA epilogue on the weight-gradient GEMM cost 110 us over the GEMM
-  (488 -> 598 us), a separate row sum of dy 45-60 us: docs/perf/matmul.md."""
+def _activation_grad(activation, dy, saved):
+  """dz = dy * act'(z) in float32, rounded to dy's dtype (relu: y > 0 selects)."""
   if activation is None:
-    dz = dy
-  elif activation == "relu":
-    dz = jnp.where(saved > 0, dy, jnp.zeros_like(dy))
-  else:
-    _, vjp = jax.vjp(lambda t: reference.activate(t, activation), saved.astype(jnp.float32))
-    dz = vjp(dy.astype(jnp.float32))[0]
-  dbias = None
-  if want_dbias:
-    rows = tuple(range(dz.ndim - 1))
-    dbias = jnp.sum(dz, axis=rows, dtype=jnp.float32).astype(dy.dtype)
-  return dz.astype(dy.dtype), dbias
+    return dy
+  if activation == "relu":
+    return jnp.where(saved > 0, dy, jnp.zeros_like(dy))
+  zf = saved.astype(jnp.float32)
+  _, vjp = jax.vjp(lambda t: reference.activate(t, activation), zf)
+  return vjp(dy.astype(jnp.float32))[0].astype(dy.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -259,9 +248,11 @@ def _linear_fwd(cfg: _Config, x, w, bias):
 
 def _linear_bwd(cfg: _Config, res, dy):
   x, w, saved = res
-  dz, db = _activation_grad(cfg.activation, dy, saved, cfg.has_bias)
+  dz = _activation_grad(cfg.activation, dy, saved)
   dx = _dgrad_call(cfg, dz[None], w[None])[0]
-  dw = _wgrad_call(cfg, x[None], dz[None])[0]
+  dw, db = _wgrad_call(cfg, x[None], dz[None], cfg.has_bias)
+  dw = dw[0]
+  db = None if db is None else db[0]
   return match_primal_types((dx, dw, db), cfg.primal_types)
 
 
@@ -390,9 +381,12 @@ def _zero_cotangent(a):
 
 def _qlinear_bwd(cfg: _Config, res, dy):
   packed, scales, zeros, z = res
-  dz, db = _activation_grad(cfg.activation, dy, z, cfg.has_bias)
+  dz = _activation_grad(cfg.activation, dy, z)
   w = _dequantized(cfg, cfg.weight(packed, scales, zeros), dy.dtype)
   dx = _dgrad_call(cfg, dz[None], w[None])[0]
+  db = None
+  if cfg.has_bias:
+    db = jnp.sum(dz.reshape(-1, dz.shape[-1]), axis=0, dtype=jnp.float32).astype(dz.dtype)
   dx, db = match_primal_types((dx, db), (cfg.primal_types[0], cfg.primal_types[2]))
   return (dx, _zero_cotangent(packed), _zero_cotangent(scales), _zero_cotangent(zeros), db)
 
