@@ -144,7 +144,7 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
   entry = bench.family_entry()
   name = f"{bench.slug}.json"
   if not args.no_write and not args.quick:
-    merge_family(RESULTS_DIR / name, bench.slug, family, entry)
+    merge_family(RESULTS_DIR / name, bench.slug, family, entry, bench.keep_ops)
     write_results_md()
     write_readme_table(README)
     print(f"wrote {RESULTS_DIR / name}, {RESULTS_MD} and README.md's headline table")
@@ -158,7 +158,7 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
     base = RESULTS_DIR / name
     if base.exists() and not (out / name).exists():
       (out / name).write_text(base.read_text())
-    merge_family(out / name, bench.slug, family, entry)
+    merge_family(out / name, bench.slug, family, entry, bench.keep_ops)
     write_results_md(out, out / "RESULTS.md")
     print(f"wrote {out / name} and {out / 'RESULTS.md'}")
   return 1 if bench.failures else 0

@@ -42,6 +42,27 @@ def test_merge_keeps_other_families(tmp_path):
   assert doc["families"]["softmax"]["commit"] == "def5678"
 
 
+def test_partial_run_keeps_the_ops_it_left_out_with_their_commit(tmp_path):
+  path = tmp_path / "h100.json"
+  first = [{**_record("cuda", "fwd", 10.0), "op": "linear"},
+           {**_record("cuda", "fwd", 5.0), "op": "qlinear"}]
+  results.merge_family(path, "h100", "matmul", _entry(first, commit="1111111"))
+  again = [{**_record("cuda", "fwd", 9.0), "op": "linear"}]
+  results.merge_family(path, "h100", "matmul", _entry(again, commit="2222222"), ("qlinear",))
+  fam = json.loads(path.read_text())["families"]["matmul"]
+  assert fam["commit"] == "2222222"
+  by_op = {r["op"]: r for r in fam["records"]}
+  assert by_op["linear"]["time_us"] == 9.0 and "measured" not in by_op["linear"]
+  assert by_op["qlinear"]["time_us"] == 5.0
+  assert by_op["qlinear"]["measured"]["commit"] == "1111111"
+  assert "The `qlinear` rows are from an earlier run: commit `1111111`" in (
+      results.render_results_md(tmp_path))
+  # A full run (nothing kept) replaces the family.
+  results.merge_family(path, "h100", "matmul", _entry(again, commit="3333333"))
+  assert [r["op"] for r in json.loads(path.read_text())["families"]["matmul"]["records"]] == [
+      "linear"]
+
+
 def test_readme_table_ratio_is_against_the_fastest_other(tmp_path):
   recs = [_record("cuda", "fwd", 10.0, gbs=2900.0), _record("xla", "fwd", 12.0, gbs=2400.0),
           _record("jaxnn", "fwd", 11.0, gbs=2600.0), _record("cuda", "fwd+bwd", 20.0, gbs=2500.0),

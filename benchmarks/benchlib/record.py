@@ -81,6 +81,8 @@ class Bench:
     self.copy_gbs: float | None = None
     self.dispatch_floor_s: float | None = None
     self.records: list[Record] = []
+    # Ops of this family that a partial run left out: their earlier records stay in results/.
+    self.keep_ops: tuple[str, ...] = ()
     self.failures: list[str] = []
     self.skipped: list[str] = []  # cases left out by design (e.g. they do not fit the device)
 

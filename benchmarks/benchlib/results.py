@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import sys
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 from benchlib.device import device_slug
@@ -16,8 +17,13 @@ RESULTS_MD = BENCH_DIR / "RESULTS.md"
 README = BENCH_DIR.parent / "README.md"
 
 
-def merge_family(path: Path, slug: str, family: str, entry: dict[str, Any]) -> dict[str, Any]:
-  """Load results/<slug>.json (if any), replace `family`, write it back, return it."""
+def merge_family(path: Path, slug: str, family: str, entry: dict[str, Any],
+                 keep_ops: Sequence[str] = ()) -> dict[str, Any]:
+  """Load results/<slug>.json (if any), replace `family`, write it back, return it.
+
+  keep_ops: ops this run left out (a partial run, e.g. bench_matmul --parts dense) whose
+  records the file already holds: they stay, each tagged with the commit and date of the
+  run that measured it ('measured'), so that no figure is passed off as this run's."""
   doc: dict[str, Any] = {}
   if path.exists():
     try:
@@ -25,6 +31,14 @@ def merge_family(path: Path, slug: str, family: str, entry: dict[str, Any]) -> d
     except json.JSONDecodeError:
       print(f"warning: {path} is not valid JSON; starting it afresh", file=sys.stderr)
   doc.setdefault("families", {})
+  old = doc["families"].get(family)
+  if keep_ops and old:
+    kept = []
+    for r in old.get("records", []):
+      if r.get("op") in keep_ops:
+        kept.append({**r, "measured": r.get("measured") or {"commit": old.get("commit"),
+                                                            "date": old.get("date")}})
+    entry = {**entry, "records": list(entry["records"]) + kept}
   doc["slug"] = slug
   doc["device_kind"] = entry["device_kind"]
   doc["updated"] = entry["date"]
@@ -86,6 +100,11 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
                  f"({e.get('ceiling_source', '?')}); copy measured in this run "
                  f"{_md_num(e.get('copy_gbs'), '.0f') or '?'} GB/s; dispatch floor "
                  f"{_md_num(e.get('dispatch_floor_us'), '.1f') or '?'} us.")
+      earlier = sorted({(r["op"], r["measured"].get("commit") or "unknown",
+                         (r["measured"].get("date") or "?")[:10])
+                        for r in e.get("records", []) if r.get("measured")})
+      for op, commit, date in earlier:
+        head += f"  The `{op}` rows are from an earlier run: commit `{commit}`, {date}."
       lines.append(head)
       lines.append("")
       recs = [Record.from_json(r) for r in e.get("records", [])]
