@@ -2,12 +2,12 @@
 #include "common/blas/cublaslt_plans.h"
 
 #include <cstdint>
-#include <vector>
 #include <functional>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include "common/blas/cublaslt_tuning.h"
 
