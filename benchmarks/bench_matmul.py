@@ -188,8 +188,8 @@ def _mark_quantized(bench, r, kernel, m) -> None:
   r.target_met = (r.vs_anchor or 0) >= want
 
 
-PARTS = {"dense": _dense, "quantized": _quantized}
-PART_OPS = {"dense": ("linear",), "quantized": ("qlinear",)}
+# --parts: each part's cases and the ops its records carry.
+PARTS = {"dense": (_dense, ("linear",)), "quantized": (_quantized, ("qlinear",))}
 
 
 def run(bench: harness.Bench) -> None:
@@ -201,9 +201,9 @@ def run(bench: harness.Bench) -> None:
     if part not in PARTS:
       raise SystemExit(f"--parts: unknown part {part!r}; parts: {list(PARTS)}")
   # The parts not run keep their earlier records in results/ (tagged with their own commit).
-  bench.keep_ops = tuple(op for part in PARTS if part not in parts for op in PART_OPS[part])
+  bench.keep_ops = tuple(op for part, (_, ops) in PARTS.items() if part not in parts for op in ops)
   for part in parts:
-    PARTS[part](bench, kernel)
+    PARTS[part][0](bench, kernel)
 
 
 def _extend(p) -> None:

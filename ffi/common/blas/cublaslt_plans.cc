@@ -58,9 +58,7 @@ std::string LtError(const char* what, cublasStatus_t s) {
 
 // The descriptors of one plan; the heuristic's answers for them and the one that runs: the
 // first answer until the first call times them all (cublaslt_tuning.h).
-struct Plan {
-  cublasLtMatmulDesc_t desc = nullptr;
-  cublasLtMatrixLayout_t a = nullptr, b = nullptr, c = nullptr, d = nullptr;
+struct Plan : PlanDescriptors {
   std::vector<cublasLtMatmulAlgo_t> candidates;
   cublasLtMatmulAlgo_t algo{};
   bool tuned = false;
@@ -277,8 +275,7 @@ Status Matmul(const GemmKey& key, const GemmOperands& ops, cudaStream_t stream) 
   std::lock_guard<std::mutex> lock(plan->mu);
   if (!plan->tuned) {
     plan->tuned = true;
-    const int best = FastestCandidate(key, handle, {plan->desc, plan->a, plan->b, plan->c, plan->d},
-                                      plan->candidates);
+    const int best = FastestCandidate(key, handle, *plan, plan->candidates);
     if (best >= 0) plan->algo = plan->candidates[best];
   }
   cublasStatus_t s = CUBLAS_STATUS_SUCCESS;

@@ -130,9 +130,9 @@ int TimeOnThisThread(const GemmKey& key, cublasLtHandle_t handle, const PlanDesc
                 ? d
                 : scratch.Alloc(MatrixBytes(key.c_type, key.m, key.n, key.ldd, key.batch));
   // A bias (or the bias gradient of BGRADA / BGRADB) runs along m or n: room for either.
-  void* bias = key.has_bias ? scratch.Alloc(static_cast<size_t>(
-                                  DTypeBytes(key.bias_type, std::max(key.m, key.n) * key.batch)))
-                            : nullptr;
+  const size_t bias_bytes =
+      key.has_bias ? size_t(DTypeBytes(key.bias_type, std::max(key.m, key.n) * key.batch)) : 0;
+  void* bias = scratch.Alloc(bias_bytes);
   void* aux =
       key.has_aux ? scratch.Alloc(MatrixBytes(key.aux_type, key.m, key.n, 0, key.batch)) : nullptr;
   void* workspace = scratch.Alloc(static_cast<size_t>(key.workspace_bytes));
@@ -141,8 +141,7 @@ int TimeOnThisThread(const GemmKey& key, cublasLtHandle_t handle, const PlanDesc
     return -1;
   }
   if (!FillRandom(a, a_bytes, key.a_type, stream) || !FillRandom(b, b_bytes, key.b_type, stream) ||
-      (bias && !FillRandom(bias, DTypeBytes(key.bias_type, std::max(key.m, key.n) * key.batch),
-                           key.bias_type, stream))) {
+      !FillRandom(bias, bias_bytes, key.bias_type, stream)) {
     cudaGetLastError();
     return -1;
   }
