@@ -6,8 +6,9 @@
 //
 // Checks: a bf16 GEMM (and a transposed one with a bias epilogue) against a float reference
 // on the host; equal keys reuse one plan, another key adds one; a problem cuBLASLt cannot
-// plan, and a call without its workspace, come back as errors with a message. Prints one
-// line per check and exits 1 on any failure.
+// plan, and a call without its workspace, come back as errors with a message; the first
+// call of a plan (which times its candidate algorithms) leaves an accumulated D correct.
+// Prints one line per check and exits 1 on any failure.
 #include <cuda_bf16.h>
 #include <cuda_runtime_api.h>
 
@@ -40,12 +41,13 @@ T* Upload(const std::vector<T>& host) {
   return static_cast<T*>(dev);
 }
 
-// Column-major m x n D = op(A) op(B) + bias (bias per row of D), bf16 in, bf16 out, and
-// the largest error against a float reference of the bf16 inputs.
+// Column-major m x n D = op(A) op(B) + bias (bias per row of D) [+ D's previous values when
+// accumulate: beta = 1 with C = D], bf16 in, bf16 out, and the largest error against a
+// float reference of the bf16 inputs.
 float RunGemm(int64_t m, int64_t n, int64_t k, bool trans_a, bool with_bias, void* workspace,
-              int64_t workspace_bytes, Status* status) {
-  std::vector<__nv_bfloat16> a(m * k), b(k * n), bias(m);
-  std::vector<float> af(m * k), bf(k * n), biasf(m);
+              int64_t workspace_bytes, Status* status, bool accumulate = false) {
+  std::vector<__nv_bfloat16> a(m * k), b(k * n), bias(m), d0(m * n);
+  std::vector<float> af(m * k), bf(k * n), biasf(m), d0f(m * n);
   for (int64_t i = 0; i < m * k; ++i) {
     a[i] = __float2bfloat16(float((i * 7) % 13) / 13.f - 0.5f);
     af[i] = __bfloat162float(a[i]);
@@ -58,10 +60,14 @@ float RunGemm(int64_t m, int64_t n, int64_t k, bool trans_a, bool with_bias, voi
     bias[i] = __float2bfloat16(float(i % 3) - 1.f);
     biasf[i] = __bfloat162float(bias[i]);
   }
+  for (int64_t i = 0; i < m * n; ++i) {
+    d0[i] = __float2bfloat16(accumulate ? float(i % 5) * 0.25f : 0.f);
+    d0f[i] = __bfloat162float(d0[i]);
+  }
   __nv_bfloat16* da = Upload(a);
   __nv_bfloat16* db = Upload(b);
   __nv_bfloat16* dbias = Upload(bias);
-  __nv_bfloat16* dd = Upload(std::vector<__nv_bfloat16>(m * n));
+  __nv_bfloat16* dd = Upload(d0);
 
   GemmKey key;
   cudaGetDevice(&key.device);
@@ -73,7 +79,7 @@ float RunGemm(int64_t m, int64_t n, int64_t k, bool trans_a, bool with_bias, voi
   key.has_bias = with_bias;
   key.workspace_bytes = workspace_bytes;
   key.alignment = jaxgpu::blas::PointerAlignment({da, db, dd});
-  const float alpha = 1.f, beta = 0.f;
+  const float alpha = 1.f, beta = accumulate ? 1.f : 0.f;
   GemmOperands ops;
   ops.a = da;
   ops.b = db;
@@ -90,7 +96,7 @@ float RunGemm(int64_t m, int64_t n, int64_t k, bool trans_a, bool with_bias, voi
     err = 0.f;
     for (int64_t j = 0; j < n; ++j) {
       for (int64_t i = 0; i < m; ++i) {
-        float ref = with_bias ? biasf[i] : 0.f;
+        float ref = (with_bias ? biasf[i] : 0.f) + d0f[i + j * m];
         for (int64_t l = 0; l < k; ++l) {
           const float av = trans_a ? af[l + i * k] : af[i + l * m];  // A stored k x m or m x k
           ref += av * bf[l + j * k];
@@ -131,6 +137,12 @@ int main() {
   err = RunGemm(96, 40, 24, true, true, workspace, kWorkspace, &s);
   Expect(s.ok() && err < 0.1f && jaxgpu::blas::CachedPlanCount() == plans + 1,
          "A transposed, bias epilogue: a second plan",
+         s.ok() ? "max error " + std::to_string(err) : s.message());
+
+  // A new plan is timed on its first call (cublaslt_tuning.h) on scratch operands: the
+  // caller's D, read back as C here, must see exactly one product added.
+  err = RunGemm(200, 72, 48, false, false, workspace, kWorkspace, &s, /*accumulate=*/true);
+  Expect(s.ok() && err < 0.1f, "beta = 1 with C = D on a plan's first (tuning) call",
          s.ok() ? "max error " + std::to_string(err) : s.message());
 
   RunGemm(64, 64, 64, false, false, nullptr, kWorkspace, &s);
