@@ -223,16 +223,16 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 }  // namespace
 
 // Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=1 runs the
-// warp-specialized forward (fwd_ws_sm90.cu) where it takes the call. Off by default until
-// measured.
-bool WarpSpecializedByDevKnob() {
-  static const bool on = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS").ints[0] != 0;
-  return on;
+// warp-specialized forward (fwd_ws_sm90.cu) where it takes the call, =2 with the math
+// warpgroups' ping-pong. Off by default until measured.
+int WarpSpecializedByDevKnob() {
+  static const int mode = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS").ints[0];
+  return mode;
 }
 
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
-  if (WarpSpecializedByDevKnob() && WarpSpecializedFwdUnavailable(p) == nullptr) {
-    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream);
+  if (WarpSpecializedByDevKnob() != 0 && WarpSpecializedFwdUnavailable(p) == nullptr) {
+    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream, WarpSpecializedByDevKnob() == 2);
     if (e != cudaErrorNotSupported) return e;
   }
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);

@@ -84,8 +84,22 @@ struct WsSmem {
   }
 };
 
+// Named barriers 1 and 2 (0 is __syncthreads): warpgroup g's turn on the tensor cores.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+
 // The two math warpgroups (threads 0..255): the fwd_sm90 pipeline on the rings' slots.
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+// kPingPong: the warpgroups take turns issuing their MMAs (FlashAttention-3's schedule), so
+// that one's softmax runs while the other's products occupy the tensor cores: a turn is
+// barrier 1 + g completing, which takes this warpgroup's bar.sync and the other's
+// bar.arrive at the end of its own turn. Warpgroup 0 goes first (warpgroup 1 arrives once
+// at the start), and warpgroup 1 leaves out its last arrival, so that every barrier phase
+// is complete when the CTA ends. Both walk the same tiles: the same number of turns.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kPingPong>
 __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const LogitScale& ls,
                                                const sm90::QueryRows& rows, const WsSmem<Tr>& sm) {
   constexpr int kD = Tr::kHeadDim, kN = Tr::kBlockN, kS = Tr::kStages;
@@ -107,8 +121,16 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
   auto slot = [&](int nb) { return (nb - n_begin) % kS; };
   auto phase = [&](int nb) { return static_cast<uint32_t>(((nb - n_begin) / kS) & 1); };
 
+  auto begin_turn = [&] {
+    if constexpr (kPingPong) NamedBarrierSync(1 + rows.group, Tr::kMathThreads);
+  };
+  auto end_turn = [&](bool last) {
+    if constexpr (kPingPong) {
+      if (!last || rows.group == 0) NamedBarrierArrive(2 - rows.group, Tr::kMathThreads);
+    }
+  };
+  // S = Q K^T of tile nb, issued (K_nb waited for by the caller, before its turn).
   auto issue_scores = [&](float (&acc_s)[1][kN / 8][4], int nb) {
-    MbarrierWait(sm.k_full(slot(nb)), phase(nb));
     sm90::Fence();
     sm90::ProductSS<T, kN, kD, Tr::QTile::kBlockBytes, KVTile::kBlockBytes>(
         acc_s[0], q_desc, k_desc(slot(nb)), false);
@@ -129,10 +151,14 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
   uint32_t p_frags[kN / 16][1][4];
 
   if (n_begin < n_end) {
+    if (kPingPong && rows.group == 1) NamedBarrierArrive(1, Tr::kMathThreads);
     MbarrierWait(sm.q_full(), 0);
     {
       float acc_s[1][kN / 8][4];
+      MbarrierWait(sm.k_full(slot(n_begin)), phase(n_begin));
+      begin_turn();
       issue_scores(acc_s, n_begin);
+      end_turn(false);
       sm90::Wait<0>();
       sm90::KeepOrder(acc_s[0]);
       MbarrierArrive(sm.k_empty(slot(n_begin)));
@@ -141,11 +167,14 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
     }
     auto step = [&](int nb, bool masks) {
       float acc_s[1][kN / 8][4];
-      issue_scores(acc_s, nb);
+      MbarrierWait(sm.k_full(slot(nb)), phase(nb));
       MbarrierWait(sm.v_full(slot(nb - 1)), phase(nb - 1));
+      begin_turn();
+      issue_scores(acc_s, nb);
       sm90::Fence();  // O += P V of tile nb - 1, overlapping tile nb's softmax
       sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(acc_o[0], p_frags, v_desc(slot(nb - 1)));
       sm90::Commit();
+      end_turn(false);
       sm90::Wait<1>();  // S ready; P V may still run
       sm90::KeepOrder(acc_s[0]);
       MbarrierArrive(sm.k_empty(slot(nb)));
@@ -168,9 +197,11 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
       for (int nb = n_begin + 1; nb < n_end; ++nb) step(nb, false);
     }
     MbarrierWait(sm.v_full(slot(n_end - 1)), phase(n_end - 1));
+    begin_turn();
     sm90::Fence();
     sm90::ProductRSWide<T, kD, kN, KVTile::kBlockBytes>(acc_o[0], p_frags, v_desc(slot(n_end - 1)));
     sm90::Commit();
+    end_turn(true);
     sm90::Wait<0>();
     sm90::KeepOrder(acc_o[0]);
   }
@@ -180,7 +211,7 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
                             rows.local_row0, m0, mask.q_len, rows.dim, lane);
 }
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kPingPong>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     AttentionFwdWsKernel(const AttentionParams p, const LogitScale ls,
                          const __grid_constant__ TensorMaps maps) {
@@ -226,7 +257,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     }
   } else {
     ClaimRegisters<Tr::kMathRegisters>();
-    MathWarpgroups<T, Tr, kMaskable, kSoftcap>(p, ls, rows, sm);
+    MathWarpgroups<T, Tr, kMaskable, kSoftcap, kPingPong>(p, ls, rows, sm);
   }
 #endif
 }
@@ -243,7 +274,8 @@ const char* WarpSpecializedFwdUnavailable(const AttentionParams& p) {
   return nullptr;
 }
 
-cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream) {
+cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream,
+                                     bool ping_pong) {
   if (WarpSpecializedFwdUnavailable(p) != nullptr) return cudaErrorNotSupported;
   const int64_t n_heads = p.kv_heads * p.group;
   TensorMaps maps;
@@ -261,14 +293,16 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stre
       using Tr = decltype(traits);
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
-          auto kernel = AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap>;
-          JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-          dim3 grid;
-          JAXGPU_RETURN_IF_CUDA_ERROR(
-              FlatGrid(p.batch * n_heads, CeilDiv(p.q_len, Tr::kBlockM), &grid));
-          kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
-              p, MakeLogitScale(p.scale, p.softcap, p.dtype), maps);
-          return cudaGetLastError();
+          return JAXGPU_BOOL_SWITCH(ping_pong, kPingPong, [&] {
+            auto kernel = AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kPingPong>;
+            JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+            dim3 grid;
+            JAXGPU_RETURN_IF_CUDA_ERROR(
+                FlatGrid(p.batch * n_heads, CeilDiv(p.q_len, Tr::kBlockM), &grid));
+            kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
+                p, MakeLogitScale(p.scale, p.softcap, p.dtype), maps);
+            return cudaGetLastError();
+          });
         });
       });
     };

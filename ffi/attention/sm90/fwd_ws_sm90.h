@@ -12,6 +12,7 @@ namespace jaxgpu::cuda::attention::sm90 {
 const char* WarpSpecializedFwdUnavailable(const AttentionParams& p);
 
 // cudaErrorNotSupported where it cannot (the caller runs the wgmma forward instead).
-cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream);
+// ping_pong: the math warpgroups take turns on the tensor cores (fwd_ws_sm90.cu).
+cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream, bool ping_pong);
 
 }  // namespace jaxgpu::cuda::attention::sm90
