@@ -6,7 +6,7 @@
 //   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 \
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awc \
 //       tools/attention_ws_check.cu ffi/attention/sm90/fwd_ws_sm90.cu && /tmp/awc [--no-time]
-//       [--ping-pong]
+//       [--ping-pong] [--persistent]
 //
 // A case passes when every output is within 2e-2 of the reference (outputs are convex
 // combinations of V rows in [-1, 1]: the bf16 rounding of P and O) and every lse within 1e-3.
@@ -29,7 +29,8 @@ using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
 namespace {
 
-bool g_ping_pong = false;  // --ping-pong
+bool g_ping_pong = false;   // --ping-pong
+bool g_persistent = false;  // --persistent
 
 struct Case {
   int64_t b, t, s, k, r, h;
@@ -129,7 +130,8 @@ bool Check(const Case& c, std::mt19937& rng) {
     std::printf("SKIP %s: %s\n", c.Name().c_str(), why);
     return true;
   }
-  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong));
+  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
+                                                             g_persistent));
   SyncOrDie(nullptr, 20.0, c.Name());
   std::vector<uint16_t> o(nq);
   std::vector<float> lse(c.b * n * c.t);
@@ -205,7 +207,8 @@ void Time(const Case& c) {
   std::vector<float> ms;
   for (int rep = 0; rep < 23; ++rep) {
     CK(cudaEventRecord(e0));
-    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong));
+    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
+                                                               g_persistent));
     CK(cudaEventRecord(e1));
     SyncOrDie(nullptr, 20.0, c.Name());
     float t = 0;
@@ -227,8 +230,10 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) time = false;
     if (std::strcmp(argv[i], "--ping-pong") == 0) g_ping_pong = true;
+    if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = true;
   }
-  std::printf("warp-specialized forward%s\n", g_ping_pong ? ", ping-pong" : "");
+  std::printf("warp-specialized forward%s%s\n", g_ping_pong ? ", ping-pong" : "",
+              g_persistent ? ", persistent" : "");
   std::mt19937 rng(20261127);
   int failed = 0, total = 0;
   std::vector<Case> cases = {

@@ -222,17 +222,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 }  // namespace
 
-// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=1 runs the
-// warp-specialized forward (fwd_ws_sm90.cu) where it takes the call, =2 with the math
-// warpgroups' ping-pong. Off by default until measured.
-int WarpSpecializedByDevKnob() {
-  static const int mode = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS").ints[0];
-  return mode;
+// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<persistent>]
+// runs the warp-specialized forward (fwd_ws_sm90.cu) where it takes the call: mode 1, or 2
+// with the math warpgroups' ping-pong; persistent 1: one CTA an SM. Off until measured.
+DevKnob WarpSpecializedByDevKnob() {
+  static const DevKnob knob = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS");
+  return knob;
 }
 
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
-  if (WarpSpecializedByDevKnob() != 0 && WarpSpecializedFwdUnavailable(p) == nullptr) {
-    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream, WarpSpecializedByDevKnob() == 2);
+  const DevKnob ws = WarpSpecializedByDevKnob();
+  if (ws.ints[0] != 0 && WarpSpecializedFwdUnavailable(p) == nullptr) {
+    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream, ws.ints[0] == 2, ws.ints[1] == 1);
     if (e != cudaErrorNotSupported) return e;
   }
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);

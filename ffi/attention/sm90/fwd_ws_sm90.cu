@@ -1,20 +1,24 @@
 // Warp-specialized attention forward (sm_90a): the wgmma forward's math (fwd_sm90.cu) fed
 // by the Tensor Memory Accelerator from a copy warpgroup. Issue 28's first step; not yet
-// measured, reached only through the developer knob JAXGPU_ATTENTION_FWD_WS=1.
+// measured, reached only through the developer knob JAXGPU_ATTENTION_FWD_WS (fwd_sm90.cu)
+// and tools/attention_ws_check.cu.
 //
-// A CTA of 3 warpgroups owns 128 queries of one query head. Warpgroups 0 and 1 compute (64
-// rows each, the fwd_sm90 pipeline: tile i's S = Q K_i^T issued with tile i-1's O += P V,
-// the softmax under P V); warpgroup 2 gives up its registers (setmaxnreg) and one of its
-// threads issues every copy: Q once, then K and V tiles into two rings of kStages slots.
-// Each slot has a `full` barrier (the copy engine's transaction count) and an `empty`
-// barrier (one arrival per math thread once its warpgroup's MMAs have read the slot), so
-// K_{i+1} is in flight while S_i runs and no CTA-wide barrier stands in the loop.
+// A CTA of 3 warpgroups owns 128 queries of one query head at a time. Warpgroups 0 and 1
+// compute (64 rows each, the fwd_sm90 pipeline: tile i's S = Q K_i^T issued with tile
+// i-1's O += P V, the softmax under P V); warpgroup 2 gives up its registers (setmaxnreg)
+// and one of its threads issues every copy: Q, then K and V tiles into two rings of kStages
+// slots. Each slot has a `full` barrier (the copy engine's transaction count) and an
+// `empty` barrier (one arrival per math thread once its warpgroup's MMAs have read the
+// slot), so K_{i+1} is in flight while S_i runs and no CTA-wide barrier stands in the loop.
+// Options (template switches): ping-pong of the math warpgroups on the tensor cores, and a
+// persistent grid (one CTA an SM walking the tiles, the rings going on across them).
 //
 // Covered: 16-bit q/k/v with head dims padded to 64 or 128 (H a multiple of 8), the causal
 // and window masks, softcap; not segment ids, sequence lengths, bias or mask (the caller
 // keeps fwd_sm90 for those).
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 
 #include "attention/attention_launch.cuh"
@@ -48,8 +52,8 @@ struct WsFwdTraits {
   static constexpr int kKOffset = QTile::kBytes;
   static constexpr int kVOffset = kKOffset + kStages * KVTile::kBytes;
   static constexpr int kBarrierOffset = kVOffset + kStages * KVTile::kBytes;
-  // Barriers: q_full, k_full[s], v_full[s], k_empty[s], v_empty[s].
-  static constexpr int kBarriers = 1 + 4 * kStages;
+  // Barriers: q_full, k_full[s], v_full[s], k_empty[s], v_empty[s], q_empty.
+  static constexpr int kBarriers = 2 + 4 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8 + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory");
 };
@@ -82,6 +86,7 @@ struct WsSmem {
   __device__ __forceinline__ uint64_t* v_empty(int s) const {
     return barrier(1 + 3 * Tr::kStages + s);
   }
+  __device__ __forceinline__ uint64_t* q_empty() const { return barrier(1 + 4 * Tr::kStages); }
 };
 
 // Named barriers 1 and 2 (0 is __syncthreads): warpgroup g's turn on the tensor cores.
@@ -92,16 +97,24 @@ __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
+// `used` counts the CTA's earlier tiles: K/V tiles through the rings and Q tiles, whose
+// barrier phases go on from there (a persistent CTA's tiles share the rings).
+struct RingUse {
+  int kv = 0;  // K/V tiles
+  int q = 0;   // Q tiles (tiles that walked at least one key tile)
+};
+
 // The two math warpgroups (threads 0..255): the fwd_sm90 pipeline on the rings' slots.
 // kPingPong: the warpgroups take turns issuing their MMAs (FlashAttention-3's schedule), so
 // that one's softmax runs while the other's products occupy the tensor cores: a turn is
 // barrier 1 + g completing, which takes this warpgroup's bar.sync and the other's
 // bar.arrive at the end of its own turn. Warpgroup 0 goes first (warpgroup 1 arrives once
 // at the start), and warpgroup 1 leaves out its last arrival, so that every barrier phase
-// is complete when the CTA ends. Both walk the same tiles: the same number of turns.
+// is complete when a tile ends. Both walk the same tiles: the same number of turns.
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kPingPong>
 __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const LogitScale& ls,
-                                               const sm90::QueryRows& rows, const WsSmem<Tr>& sm) {
+                                               const sm90::QueryRows& rows, const WsSmem<Tr>& sm,
+                                               RingUse& used) {
   constexpr int kD = Tr::kHeadDim, kN = Tr::kBlockN, kS = Tr::kStages;
   using KVTile = typename Tr::KVTile;
   const int n_begin = rows.walk.begin, n_end = rows.walk.end;
@@ -118,8 +131,8 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
   const uint64_t q_desc = sm90::SwizzledDescriptor(sm.q() + 64 * rows.group * 128, 16, 1024);
   auto k_desc = [&](int s) { return sm90::SwizzledDescriptor(sm.k(s), 16, 1024); };
   auto v_desc = [&](int s) { return sm90::SwizzledDescriptor(sm.v(s), KVTile::kBlockBytes, 1024); };
-  auto slot = [&](int nb) { return (nb - n_begin) % kS; };
-  auto phase = [&](int nb) { return static_cast<uint32_t>(((nb - n_begin) / kS) & 1); };
+  auto slot = [&](int nb) { return (used.kv + nb - n_begin) % kS; };
+  auto phase = [&](int nb) { return static_cast<uint32_t>(((used.kv + nb - n_begin) / kS) & 1); };
 
   auto begin_turn = [&] {
     if constexpr (kPingPong) NamedBarrierSync(1 + rows.group, Tr::kMathThreads);
@@ -152,7 +165,7 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
 
   if (n_begin < n_end) {
     if (kPingPong && rows.group == 1) NamedBarrierArrive(1, Tr::kMathThreads);
-    MbarrierWait(sm.q_full(), 0);
+    MbarrierWait(sm.q_full(), used.q & 1);
     {
       float acc_s[1][kN / 8][4];
       MbarrierWait(sm.k_full(slot(n_begin)), phase(n_begin));
@@ -204,6 +217,10 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
     end_turn(true);
     sm90::Wait<0>();
     sm90::KeepOrder(acc_o[0]);
+    MbarrierArrive(sm.v_empty(slot(n_end - 1)));  // a persistent CTA's next tile reuses it
+    MbarrierArrive(sm.q_empty());                 // every product with this Q is done
+    used.kv += n_end - n_begin;
+    used.q += 1;
   }
 
   T* o = static_cast<T*>(p.o) + off.q + m0 * off.q_ld;
@@ -211,10 +228,13 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
                             rows.local_row0, m0, mask.q_len, rows.dim, lane);
 }
 
-template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kPingPong>
+// kPersistent: one CTA an SM walks the flat tiles blockIdx.x, + gridDim.x, ... (the
+// FlatGrid order: longest causal tiles first), its rings and barriers going on from tile to
+// tile; otherwise one CTA a tile.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kPingPong, bool kPersistent>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     AttentionFwdWsKernel(const AttentionParams p, const LogitScale ls,
-                         const __grid_constant__ TensorMaps maps) {
+                         const __grid_constant__ TensorMaps maps, int tiles) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
@@ -222,6 +242,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
   if (threadIdx.x == 0) {
     MbarrierInit(sm.q_full(), 1);
+    MbarrierInit(sm.q_empty(), Tr::kMathThreads);
     for (int s = 0; s < kS; ++s) {
       MbarrierInit(sm.k_full(s), 1);
       MbarrierInit(sm.v_full(s), 1);
@@ -232,32 +253,49 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   __syncthreads();  // the last CTA-wide barrier: the roles split below
 
-  const sm90::QueryRows rows = sm90::MakeQueryRows<kM, kN, kMaskable>(p);
-  const int n_begin = rows.walk.begin, n_end = rows.walk.end;
-
-  if (rows.group == 2) {
-    // The copy warpgroup: one thread issues everything.
+  const int stride = kPersistent ? static_cast<int>(gridDim.x) : tiles;
+  const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
+  RingUse used;
+  if (group == 2) {
+    // The copy warpgroup: its first warp walks the tiles, its lane 0 issues every copy.
     ReleaseRegisters<Tr::kCopyRegisters>();
-    if (threadIdx.x == Tr::kMathThreads && n_begin < n_end) {
+    if (threadIdx.x / 32 != Tr::kMathThreads / 32) return;
+    const bool issuer = threadIdx.x == Tr::kMathThreads;
+    for (int flat = blockIdx.x; flat < tiles; flat += stride) {
+      const sm90::QueryRows rows =
+          sm90::MakeQueryRowsOf<kM, kN, kMaskable>(p, DecodeQueryTileAt<kMaskable>(p, kM, flat));
+      const int n_begin = rows.walk.begin, n_end = rows.walk.end;
+      if (n_begin >= n_end) continue;
       const int b = static_cast<int>(rows.tile.b);
       const int kh = static_cast<int>(rows.tile.kh);
       const int qh = static_cast<int>(rows.tile.kh * p.group + rows.tile.r);
-      TmaLoadTile<kM, kD>(sm.q(), &maps.q, sm.q_full(), qh, rows.m0, b);
       // K_i, then V_i, each once its slot is free. V's slot frees a tile after K's (P V
       // runs a tile behind S), so K_{i+1} goes out once V_i has, about a tile ahead of use.
-      for (int i = 0; n_begin + i < n_end; ++i) {
-        const int s = i % kS;
-        const uint32_t reuse = (i / kS) & 1;
-        const int row = (n_begin + i) * kN;
-        if (i >= kS) MbarrierWait(sm.k_empty(s), reuse ^ 1);
-        TmaLoadTile<kN, kD>(sm.k(s), &maps.k, sm.k_full(s), kh, row, b);
-        if (i >= kS) MbarrierWait(sm.v_empty(s), reuse ^ 1);
-        TmaLoadTile<kN, kD>(sm.v(s), &maps.v, sm.v_full(s), kh, row, b);
+      // Q goes out after the tile's first K (its slot frees only when every product of the
+      // previous tile is done; the first K may be on its way before that).
+      for (int nb = n_begin; nb < n_end; ++nb) {
+        const int g = used.kv + nb - n_begin;
+        const int s = g % kS;
+        const uint32_t reuse = (g / kS) & 1;
+        if (g >= kS) MbarrierWait(sm.k_empty(s), reuse ^ 1);
+        if (issuer) TmaLoadTile<kN, kD>(sm.k(s), &maps.k, sm.k_full(s), kh, nb * kN, b);
+        if (nb == n_begin) {
+          if (used.q > 0) MbarrierWait(sm.q_empty(), (used.q - 1) & 1);
+          if (issuer) TmaLoadTile<kM, kD>(sm.q(), &maps.q, sm.q_full(), qh, rows.m0, b);
+        }
+        if (g >= kS) MbarrierWait(sm.v_empty(s), reuse ^ 1);
+        if (issuer) TmaLoadTile<kN, kD>(sm.v(s), &maps.v, sm.v_full(s), kh, nb * kN, b);
       }
+      used.kv += n_end - n_begin;
+      used.q += 1;
     }
   } else {
     ClaimRegisters<Tr::kMathRegisters>();
-    MathWarpgroups<T, Tr, kMaskable, kSoftcap, kPingPong>(p, ls, rows, sm);
+    for (int flat = blockIdx.x; flat < tiles; flat += stride) {
+      const sm90::QueryRows rows =
+          sm90::MakeQueryRowsOf<kM, kN, kMaskable>(p, DecodeQueryTileAt<kMaskable>(p, kM, flat));
+      MathWarpgroups<T, Tr, kMaskable, kSoftcap, kPingPong>(p, ls, rows, sm, used);
+    }
   }
 #endif
 }
@@ -274,8 +312,8 @@ const char* WarpSpecializedFwdUnavailable(const AttentionParams& p) {
   return nullptr;
 }
 
-cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream,
-                                     bool ping_pong) {
+cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream, bool ping_pong,
+                                     bool persistent) {
   if (WarpSpecializedFwdUnavailable(p) != nullptr) return cudaErrorNotSupported;
   const int64_t n_heads = p.kv_heads * p.group;
   TensorMaps maps;
@@ -294,14 +332,24 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stre
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
           return JAXGPU_BOOL_SWITCH(ping_pong, kPingPong, [&] {
-            auto kernel = AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kPingPong>;
-            JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
-            dim3 grid;
-            JAXGPU_RETURN_IF_CUDA_ERROR(
-                FlatGrid(p.batch * n_heads, CeilDiv(p.q_len, Tr::kBlockM), &grid));
-            kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
-                p, MakeLogitScale(p.scale, p.softcap, p.dtype), maps);
-            return cudaGetLastError();
+            return JAXGPU_BOOL_SWITCH(persistent, kPersistent, [&] {
+              auto kernel =
+                  AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kPingPong, kPersistent>;
+              JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+              dim3 grid;
+              const int64_t tiles = p.batch * n_heads * CeilDiv(p.q_len, Tr::kBlockM);
+              JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(tiles, 1, &grid));
+              if (kPersistent) {
+                int device = 0, sms = 0;
+                JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
+                JAXGPU_RETURN_IF_CUDA_ERROR(
+                    cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+                grid.x = static_cast<unsigned>(std::min<int64_t>(tiles, sms));
+              }
+              kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
+                  p, MakeLogitScale(p.scale, p.softcap, p.dtype), maps, static_cast<int>(tiles));
+              return cudaGetLastError();
+            });
           });
         });
       });

@@ -12,7 +12,9 @@ namespace jaxgpu::cuda::attention::sm90 {
 const char* WarpSpecializedFwdUnavailable(const AttentionParams& p);
 
 // cudaErrorNotSupported where it cannot (the caller runs the wgmma forward instead).
-// ping_pong: the math warpgroups take turns on the tensor cores (fwd_ws_sm90.cu).
-cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream, bool ping_pong);
+// ping_pong: the math warpgroups take turns on the tensor cores; persistent: one CTA an SM
+// walks the tiles (fwd_ws_sm90.cu).
+cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stream,
+                                     bool ping_pong, bool persistent);
 
 }  // namespace jaxgpu::cuda::attention::sm90
