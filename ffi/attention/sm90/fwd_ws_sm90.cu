@@ -13,7 +13,7 @@
 // Options (template switches): ping-pong of the math warpgroups on the tensor cores, and a
 // persistent grid (one CTA an SM walking the tiles, the rings going on across them).
 //
-// Covered: 16-bit q/k/v with head dims padded to 64 or 128 (H a multiple of 8), the causal
+// Covered: 16-bit q/k/v with head dims padded to 64, 128 or 256 (H a multiple of 8), the causal
 // and window masks, softcap; not segment ids, sequence lengths, bias or mask (the caller
 // keeps fwd_sm90 for those).
 #include <cuda_runtime.h>
@@ -39,7 +39,11 @@ template <int kHeadDim_>
 struct WsFwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
   static constexpr int kBlockM = 128;  // two math warpgroups of 64 rows
-  static constexpr int kBlockN = 128;
+  // 64-key tiles at H = 256, as fwd_sm90's: the 128-float output accumulator leaves room
+  // for a 32-float score tile; shared memory 64 + 4 x 32 KB. (SASS, CUDA 13.0: the math
+  // path's registers peak at 198-215 for H 128 and 223 for H 256; H 256 with the mask hits
+  // the 240 of setmaxnreg and spills ~10 stores.)
+  static constexpr int kBlockN = kHeadDim > 128 ? 64 : 128;
   static constexpr int kStages = 2;  // per ring (K, V): 160 KB at H = 128
   static constexpr int kMathThreads = 256;
   static constexpr int kThreads = kMathThreads + 128;
@@ -307,7 +311,9 @@ const char* WarpSpecializedFwdUnavailable(const AttentionParams& p) {
     return "segment ids, sequence lengths, bias and mask stay on the wgmma forward";
   }
   const int padded = PaddedHeadDim(p.head_dim);
-  if (padded != 64 && padded != 128) return "head dims padded to 64 or 128 only";
+  if (padded != 64 && padded != 128 && padded != 256) {
+    return "head dims padded to 64, 128 or 256 only";
+  }
   if (p.head_dim % 8 != 0) return "the copy engine needs rows of whole 16-byte chunks";
   return nullptr;
 }
@@ -316,19 +322,20 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stre
                                      bool persistent) {
   if (WarpSpecializedFwdUnavailable(p) != nullptr) return cudaErrorNotSupported;
   const int64_t n_heads = p.kv_heads * p.group;
-  TensorMaps maps;
-  const int rows_q = WsFwdTraits<128>::kBlockM, rows_kv = WsFwdTraits<128>::kBlockN;
-  if (!EncodeHeadTensorMap(&maps.q, p.q, p.batch, p.q_len, n_heads, p.head_dim,
-                           n_heads * p.head_dim, rows_q) ||
-      !EncodeHeadTensorMap(&maps.k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim,
-                           p.kv_heads * p.head_dim, rows_kv) ||
-      !EncodeHeadTensorMap(&maps.v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim,
-                           p.kv_heads * p.head_dim, rows_kv)) {
-    return cudaErrorNotSupported;
-  }
+  // The tensor maps of a traits' tile shapes.
+  auto encode = [&](int rows_q, int rows_kv, TensorMaps* maps) {
+    return EncodeHeadTensorMap(&maps->q, p.q, p.batch, p.q_len, n_heads, p.head_dim,
+                               n_heads * p.head_dim, rows_q) &&
+           EncodeHeadTensorMap(&maps->k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim,
+                               p.kv_heads * p.head_dim, rows_kv) &&
+           EncodeHeadTensorMap(&maps->v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim,
+                               p.kv_heads * p.head_dim, rows_kv);
+  };
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     auto run = [&](auto traits) -> cudaError_t {
       using Tr = decltype(traits);
+      TensorMaps maps;
+      if (!encode(Tr::kBlockM, Tr::kBlockN, &maps)) return cudaErrorNotSupported;
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
           return JAXGPU_BOOL_SWITCH(ping_pong, kPingPong, [&] {
@@ -354,8 +361,10 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, cudaStream_t stre
         });
       });
     };
-    if (PaddedHeadDim(p.head_dim) == 64) return run(WsFwdTraits<64>{});
-    return run(WsFwdTraits<128>{});
+    const int padded = PaddedHeadDim(p.head_dim);
+    if (padded == 64) return run(WsFwdTraits<64>{});
+    if (padded == 128) return run(WsFwdTraits<128>{});
+    return run(WsFwdTraits<256>{});
   });
 }
 
