@@ -80,24 +80,32 @@ struct QueryTile {
   int m_block;
 };
 
-template <bool kGrouped>
-__device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
+template <bool kGrouped, typename Flat>
+__device__ __forceinline__ QueryTile DecodeQueryTileAt(const AttentionParams& p, int block_m,
+                                                       Flat flat) {
   const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
   QueryTile q;
   int64_t head;
   if constexpr (kGrouped) {
-    const HeadAndRank hr = DecodeGroupedTile(
-        blockIdx.x, static_cast<int>(p.batch * p.kv_heads * p.group), m_blocks, GroupHeads(p));
+    const HeadAndRank hr =
+        DecodeGroupedTile(static_cast<int>(flat), static_cast<int>(p.batch * p.kv_heads * p.group),
+                          m_blocks, GroupHeads(p));
     head = hr.head;
     q.m_block = m_blocks - 1 - hr.rank;
   } else {
-    head = blockIdx.x / m_blocks;
-    q.m_block = m_blocks - 1 - static_cast<int>(blockIdx.x % m_blocks);
+    head = flat / m_blocks;
+    q.m_block = m_blocks - 1 - static_cast<int>(flat % m_blocks);
   }
   q.r = head % p.group;
   q.kh = (head / p.group) % p.kv_heads;
   q.b = head / (p.group * p.kv_heads);
   return q;
+}
+
+// The CTA's tile in a FlatGrid: `flat` is blockIdx.x itself (unsigned), as each kernel had it.
+template <bool kGrouped>
+__device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
+  return DecodeQueryTileAt<kGrouped>(p, block_m, blockIdx.x);
 }
 
 // The kv head and key tile a dK/dV CTA owns in a FlatGrid over (kv head, tile): the first

@@ -15,11 +15,13 @@
 #include <cmath>
 
 #include "attention/attention_launch.cuh"
+#include "common/dev_knobs.h"
 #include "attention/attention_logits.cuh"
 #include "attention/attention_mask.cuh"
 #include "attention/attention_schedule.cuh"
 #include "attention/attention_softmax.cuh"
 #include "attention/sm90/dispatch.cuh"
+#include "attention/sm90/fwd_ws_sm90.h"
 #include "attention/sm90/main_loop.h"
 #include "attention/sm90/query_rows.cuh"
 #include "attention/sm90/wgmma.cuh"
@@ -220,7 +222,20 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 }  // namespace
 
+// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<persistent>]
+// runs the warp-specialized forward (fwd_ws_sm90.cu) where it takes the call: mode 1, or 2
+// with the math warpgroups' ping-pong; persistent 1: one CTA an SM. Off until measured.
+DevKnob WarpSpecializedByDevKnob() {
+  static const DevKnob knob = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS");
+  return knob;
+}
+
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
+  const DevKnob ws = WarpSpecializedByDevKnob();
+  if (ws.ints[0] != 0 && WarpSpecializedFwdUnavailable(p) == nullptr) {
+    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream, ws.ints[0] == 2, ws.ints[1] == 1);
+    if (e != cudaErrorNotSupported) return e;
+  }
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);
   return Dispatch<Sm90FwdTraits>(p, [&](auto config) {
     using C = decltype(config);

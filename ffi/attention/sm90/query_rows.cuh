@@ -50,16 +50,18 @@ struct QueryRows {
 };
 
 // kLengths: with the batch row's sequence lengths (MakeMask<true>: the walk stops at them,
-// and a CTA whose rows all lie past the query length walks nothing).
+// and a CTA whose rows all lie past the query length walks nothing). The CTA's tile: its
+// own (FlatGrid) or `tile` (a persistent CTA's current one).
 template <int kBlockM, int kBlockN, bool kMaskable, bool kLengths = false>
-__device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
+__device__ __forceinline__ QueryRows MakeQueryRowsOf(const AttentionParams& p,
+                                                     const QueryTile& tile) {
   QueryRows r;
   const int warp = threadIdx.x >> 5;
   // Read through a shuffle so that ptxas knows the warpgroup is warp-uniform: wgmma under a
   // branch it thinks divergent is serialized (C7518).
   r.group = __shfl_sync(0xffffffffu, warp >> 2, 0);
   r.local_row0 = 64 * r.group + 16 * (warp & 3);
-  r.tile = DecodeQueryTile<kMaskable>(p, kBlockM);
+  r.tile = tile;
   r.off = MakeHeadOffsets(p, r.tile.b, r.tile.kh, r.tile.r);
   r.mask = MakeMask<kLengths>(p, r.tile.b);
   r.segments = kMaskable && r.mask.q_seg != nullptr;
@@ -72,6 +74,12 @@ __device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
   r.warp_row0 = r.m0 + r.local_row0;
   r.warp_row1 = min(r.warp_row0 + 16, r.mask.q_len) - 1;
   return r;
+}
+
+template <int kBlockM, int kBlockN, bool kMaskable, bool kLengths = false>
+__device__ __forceinline__ QueryRows MakeQueryRows(const AttentionParams& p) {
+  return MakeQueryRowsOf<kBlockM, kBlockN, kMaskable, kLengths>(
+      p, DecodeQueryTile<kMaskable>(p, kBlockM));
 }
 
 }  // namespace jaxgpu::cuda::attention::sm90

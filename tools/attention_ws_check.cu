@@ -1,0 +1,269 @@
+// Standalone check of the warp-specialized attention forward (ffi/attention/sm90/
+// fwd_ws_sm90.cu) on an H100: float64 host reference for odd shapes and every option the
+// kernel takes, then its speed at the issue's shapes. No JAX needed, and a hang (a barrier
+// phase gone wrong) ends the program with a message instead of blocking the machine:
+//
+//   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 \
+//       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awc \
+//       tools/attention_ws_check.cu ffi/attention/sm90/fwd_ws_sm90.cu && /tmp/awc [--no-time]
+//       [--ping-pong] [--persistent]
+//
+// A case passes when every output is within 2e-2 of the reference (outputs are convex
+// combinations of V rows in [-1, 1]: the bf16 rounding of P and O) and every lse within 1e-3.
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "attention/attention_params.h"
+#include "attention/sm90/fwd_ws_sm90.h"
+#include "check_common.h"
+
+using jaxgpu::AttentionParams;
+using jaxgpu::DType;
+using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
+
+namespace {
+
+bool g_ping_pong = false;   // --ping-pong
+bool g_persistent = false;  // --persistent
+
+struct Case {
+  int64_t b, t, s, k, r, h;
+  bool causal = false;
+  int64_t left = -1, right = -1;
+  float softcap = 0.f;
+  DType dtype = DType::kBF16;
+
+  std::string Name() const {
+    char buf[160];
+    std::snprintf(
+        buf, sizeof(buf), "B%lld T%lld S%lld K%lld R%lld H%lld%s%s%s %s", (long long)b,
+        (long long)t, (long long)s, (long long)k, (long long)r, (long long)h,
+        causal ? " causal" : "",
+        left >= 0 || right >= 0
+            ? (" window(" + std::to_string(left) + "," + std::to_string(right) + ")").c_str()
+            : "",
+        softcap > 0 ? " softcap" : "", dtype == DType::kBF16 ? "bf16" : "f16");
+    return buf;
+  }
+};
+
+// Waits for the stream at most `seconds`; a kernel still running then is taken for a hang.
+void SyncOrDie(cudaStream_t stream, double seconds, const std::string& what) {
+  const auto start = std::chrono::steady_clock::now();
+  while (true) {
+    const cudaError_t e = cudaStreamQuery(stream);
+    if (e == cudaSuccess) return;
+    if (e != cudaErrorNotReady) {
+      std::printf("FAIL %s: %s\n", what.c_str(), cudaGetErrorString(e));
+      std::exit(1);
+    }
+    const double waited =
+        std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (waited > seconds) {
+      std::printf("HANG %s: still running after %.0f s\n", what.c_str(), seconds);
+      std::fflush(stdout);
+      std::_Exit(2);
+    }
+  }
+}
+
+struct Device {
+  void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
+  float* lse = nullptr;
+  ~Device() {
+    cudaFree(q);
+    cudaFree(k);
+    cudaFree(v);
+    cudaFree(o);
+    cudaFree(lse);
+  }
+};
+
+AttentionParams Params(const Case& c, const Device& d) {
+  AttentionParams p{};
+  p.dtype = c.dtype;
+  p.batch = c.b;
+  p.q_len = c.t;
+  p.kv_len = c.s;
+  p.kv_heads = c.k;
+  p.group = c.r;
+  p.head_dim = c.h;
+  p.scale = float(1.0 / std::sqrt(double(c.h)));
+  p.softcap = c.softcap;
+  p.causal = c.causal;
+  p.window_left = c.left;
+  p.window_right = c.right;
+  p.q = d.q;
+  p.k = d.k;
+  p.v = d.v;
+  p.o = d.o;
+  p.lse = d.lse;
+  return p;
+}
+
+bool Check(const Case& c, std::mt19937& rng) {
+  const int64_t n = c.k * c.r;
+  const int64_t nq = c.b * c.t * n * c.h, nkv = c.b * c.s * c.k * c.h;
+  std::uniform_real_distribution<float> u(-1.f, 1.f);
+  std::vector<uint16_t> q(nq), k(nkv), v(nkv);
+  for (auto& x : q) x = HalfBits(c.dtype, u(rng));
+  for (auto& x : k) x = HalfBits(c.dtype, u(rng));
+  for (auto& x : v) x = HalfBits(c.dtype, u(rng));
+  Device d;
+  CK(cudaMalloc(&d.q, nq * 2));
+  CK(cudaMalloc(&d.k, nkv * 2));
+  CK(cudaMalloc(&d.v, nkv * 2));
+  CK(cudaMalloc(&d.o, nq * 2));
+  CK(cudaMalloc(&d.lse, c.b * n * c.t * sizeof(float)));
+  CK(cudaMemcpy(d.q, q.data(), nq * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d.k, k.data(), nkv * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemcpy(d.v, v.data(), nkv * 2, cudaMemcpyHostToDevice));
+  CK(cudaMemset(d.o, 0xff, nq * 2));  // NaN where the kernel writes nothing
+  const AttentionParams p = Params(c, d);
+  if (const char* why = jaxgpu::cuda::attention::sm90::WarpSpecializedFwdUnavailable(p)) {
+    std::printf("SKIP %s: %s\n", c.Name().c_str(), why);
+    return true;
+  }
+  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
+                                                             g_persistent));
+  SyncOrDie(nullptr, 20.0, c.Name());
+  std::vector<uint16_t> o(nq);
+  std::vector<float> lse(c.b * n * c.t);
+  CK(cudaMemcpy(o.data(), d.o, nq * 2, cudaMemcpyDeviceToHost));
+  CK(cudaMemcpy(lse.data(), d.lse, lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+
+  // q (B, T, K, R, H), k / v (B, S, K, H), lse (B, K, R, T).
+  double worst_o = 0, worst_lse = 0;
+  std::vector<double> logit(c.s);
+  for (int64_t b = 0; b < c.b; ++b) {
+    for (int64_t kh = 0; kh < c.k; ++kh) {
+      for (int64_t r = 0; r < c.r; ++r) {
+        for (int64_t i = 0; i < c.t; ++i) {
+          int64_t lo = 0, hi = c.s - 1;
+          if (c.causal) hi = std::min(hi, i);
+          if (c.left >= 0) lo = std::max(lo, i - c.left);
+          if (c.right >= 0) hi = std::min(hi, i + c.right);
+          const int64_t qrow = ((b * c.t + i) * n + kh * c.r + r) * c.h;
+          double mx = -INFINITY;
+          for (int64_t j = lo; j <= hi; ++j) {
+            const int64_t krow = ((b * c.s + j) * c.k + kh) * c.h;
+            double dot = 0;
+            for (int64_t x = 0; x < c.h; ++x) {
+              dot += HalfValue(c.dtype, q[qrow + x]) * HalfValue(c.dtype, k[krow + x]);
+            }
+            double l = dot * p.scale;
+            if (c.softcap > 0) l = c.softcap * std::tanh(l / c.softcap);
+            logit[j] = l;
+            mx = std::max(mx, l);
+          }
+          double sum = 0;
+          for (int64_t j = lo; j <= hi; ++j) sum += std::exp(logit[j] - mx);
+          const float got_lse = lse[((b * c.k + kh) * c.r + r) * c.t + i];
+          if (hi >= lo) worst_lse = std::max(worst_lse, std::fabs(got_lse - (mx + std::log(sum))));
+          for (int64_t x = 0; x < c.h; ++x) {
+            double acc = 0;
+            for (int64_t j = lo; j <= hi; ++j) {
+              acc += std::exp(logit[j] - mx) *
+                     HalfValue(c.dtype, v[((b * c.s + j) * c.k + kh) * c.h + x]);
+            }
+            const double want = hi >= lo ? acc / sum : 0.0;
+            const double got = HalfValue(c.dtype, o[qrow + x]);
+            const double err = std::isnan(got) ? INFINITY : std::fabs(got - want);
+            worst_o = std::max(worst_o, err);
+          }
+        }
+      }
+    }
+  }
+  const bool ok = worst_o <= 2e-2 && worst_lse <= 1e-3;
+  std::printf("%s %s: max |o - ref| %.2e, max |lse - ref| %.2e\n", ok ? "ok  " : "FAIL",
+              c.Name().c_str(), worst_o, worst_lse);
+  return ok;
+}
+
+// Median time of `reps` launches and the TFLOP/s of 4 B N T S H (half under the causal mask).
+void Time(const Case& c) {
+  const int64_t n = c.k * c.r;
+  const int64_t nq = c.b * c.t * n * c.h, nkv = c.b * c.s * c.k * c.h;
+  Device d;
+  CK(cudaMalloc(&d.q, nq * 2));
+  CK(cudaMalloc(&d.k, nkv * 2));
+  CK(cudaMalloc(&d.v, nkv * 2));
+  CK(cudaMalloc(&d.o, nq * 2));
+  CK(cudaMalloc(&d.lse, c.b * n * c.t * sizeof(float)));
+  CK(cudaMemset(d.q, 0x3c, nq * 2));
+  CK(cudaMemset(d.k, 0x3c, nkv * 2));
+  CK(cudaMemset(d.v, 0x3c, nkv * 2));
+  const AttentionParams p = Params(c, d);
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  std::vector<float> ms;
+  for (int rep = 0; rep < 23; ++rep) {
+    CK(cudaEventRecord(e0));
+    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
+                                                               g_persistent));
+    CK(cudaEventRecord(e1));
+    SyncOrDie(nullptr, 20.0, c.Name());
+    float t = 0;
+    CK(cudaEventElapsedTime(&t, e0, e1));
+    if (rep >= 3) ms.push_back(t);
+  }
+  std::sort(ms.begin(), ms.end());
+  const double t = ms[ms.size() / 2] * 1e-3;
+  const double flops = 4.0 * c.b * n * c.t * c.s * c.h * (c.causal ? 0.5 : 1.0);
+  std::printf("time %s: %.1f us, %.0f TFLOP/s\n", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
+  cudaEventDestroy(e0);
+  cudaEventDestroy(e1);
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  bool time = true;
+  for (int i = 1; i < argc; ++i) {
+    if (std::strcmp(argv[i], "--no-time") == 0) time = false;
+    if (std::strcmp(argv[i], "--ping-pong") == 0) g_ping_pong = true;
+    if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = true;
+  }
+  std::printf("warp-specialized forward%s%s\n", g_ping_pong ? ", ping-pong" : "",
+              g_persistent ? ", persistent" : "");
+  std::mt19937 rng(20261127);
+  int failed = 0, total = 0;
+  std::vector<Case> cases = {
+      {1, 128, 128, 1, 1, 128},
+      {2, 333, 333, 2, 2, 128},
+      {2, 333, 333, 2, 2, 128, true},
+      {1, 777, 777, 1, 4, 64, true},
+      {1, 500, 500, 2, 1, 96},
+      {1, 600, 600, 1, 2, 128, false, 200, 0, 30.f},
+      {1, 600, 600, 1, 2, 128, true, 130, -1, 0.f, DType::kF16},
+      {1, 300, 700, 2, 2, 64},
+      {1, 1, 300, 1, 8, 128},
+      {1, 300, 300, 2, 2, 256, true},
+      {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},
+  };
+  for (const Case& c : cases) {
+    ++total;
+    if (!Check(c, rng)) ++failed;
+  }
+  std::printf("checks: %d cases, %d failed\n", total, failed);
+  if (time) {
+    // B * T = 16k, N = 16 (docs/perf/attention.md's shapes), H 128 and 64.
+    Time({4, 4096, 4096, 16, 1, 128});
+    Time({4, 4096, 4096, 16, 1, 128, true});
+    Time({1, 16384, 16384, 16, 1, 128});
+    Time({1, 16384, 16384, 16, 1, 128, true});
+    Time({16, 1024, 1024, 16, 1, 64, true});
+    Time({4, 4096, 4096, 8, 4, 128, true});  // GQA 32/8
+    Time({4, 4096, 4096, 16, 1, 256});
+    Time({4, 4096, 4096, 16, 1, 256, true});
+  }
+  return failed == 0 ? 0 : 1;
+}
