@@ -3,10 +3,13 @@
 // kernel takes, then its speed at the issue's shapes. No JAX needed, and a hang (a barrier
 // phase gone wrong) ends the program with a message instead of blocking the machine:
 //
-//   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 \
+//   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 [-DJAXGPU_DEV_KNOBS=1] \
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awc \
 //       tools/attention_ws_check.cu ffi/attention/sm90/fwd_ws_sm90.cu && /tmp/awc [--no-time]
-//       [--ping-pong] [--persistent]
+//       [--ping-pong] [--persistent | --no-persistent]
+//
+// Without a flag each call runs the default schedule (DefaultWsFwdSchedule); the flags force
+// one, and need -DJAXGPU_DEV_KNOBS=1 (which compiles every schedule: 4x the compile time).
 //
 // A case passes when every output is within 2e-2 of the reference (outputs are convex
 // combinations of V rows in [-1, 1]: the bf16 rounding of P and O) and every lse within 1e-3.
@@ -29,8 +32,8 @@ using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
 namespace {
 
-bool g_ping_pong = false;   // --ping-pong
-bool g_persistent = false;  // --persistent
+bool g_ping_pong = false;  // --ping-pong
+int g_persistent = 0;      // --persistent: 1, --no-persistent: -1, else the default
 
 struct Case {
   int64_t b, t, s, k, r, h;
@@ -38,6 +41,7 @@ struct Case {
   int64_t left = -1, right = -1;
   float softcap = 0.f;
   DType dtype = DType::kBF16;
+  int segment = 0;  // > 0: segment ids in runs of about this many positions
 
   std::string Name() const {
     char buf[160];
@@ -49,6 +53,7 @@ struct Case {
             ? (" window(" + std::to_string(left) + "," + std::to_string(right) + ")").c_str()
             : "",
         softcap > 0 ? " softcap" : "", dtype == DType::kBF16 ? "bf16" : "f16");
+    if (segment > 0) std::snprintf(buf + std::strlen(buf), 32, " segments~%d", segment);
     return buf;
   }
 };
@@ -76,7 +81,10 @@ void SyncOrDie(cudaStream_t stream, double seconds, const std::string& what) {
 struct Device {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr;
   float* lse = nullptr;
+  int32_t *q_seg = nullptr, *kv_seg = nullptr;
   ~Device() {
+    cudaFree(q_seg);
+    cudaFree(kv_seg);
     cudaFree(q);
     cudaFree(k);
     cudaFree(v);
@@ -104,7 +112,36 @@ AttentionParams Params(const Case& c, const Device& d) {
   p.v = d.v;
   p.o = d.o;
   p.lse = d.lse;
+  p.q_segment_ids = d.q_seg;
+  p.kv_segment_ids = d.kv_seg;
   return p;
+}
+
+// Segment ids of `batch` rows of `len` positions: non-decreasing runs whose lengths are
+// uniform in [1, 2 * segment) (the packed-sequence layout), the same for q and kv of a
+// self-attention case from the same seed.
+std::vector<int32_t> SegmentIds(int64_t batch, int64_t len, int segment, uint32_t seed) {
+  std::mt19937 rng(seed);
+  std::uniform_int_distribution<int> run(1, 2 * segment - 1);
+  std::vector<int32_t> ids(batch * len);
+  for (int64_t b = 0; b < batch; ++b) {
+    int id = 0, left = run(rng);
+    for (int64_t i = 0; i < len; ++i) {
+      if (left-- == 0) {
+        ++id;
+        left = run(rng) - 1;
+      }
+      ids[b * len + i] = id;
+    }
+  }
+  return ids;
+}
+
+jaxgpu::cuda::attention::sm90::WsFwdSchedule Schedule(const AttentionParams& p) {
+  auto s = jaxgpu::cuda::attention::sm90::DefaultWsFwdSchedule(p);
+  s.ping_pong = g_ping_pong;
+  if (g_persistent != 0) s.persistent = g_persistent == 1;
+  return s;
 }
 
 bool Check(const Case& c, std::mt19937& rng) {
@@ -125,13 +162,21 @@ bool Check(const Case& c, std::mt19937& rng) {
   CK(cudaMemcpy(d.k, k.data(), nkv * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.v, v.data(), nkv * 2, cudaMemcpyHostToDevice));
   CK(cudaMemset(d.o, 0xff, nq * 2));  // NaN where the kernel writes nothing
+  std::vector<int32_t> q_seg, kv_seg;
+  if (c.segment > 0) {
+    q_seg = SegmentIds(c.b, c.t, c.segment, 7);
+    kv_seg = SegmentIds(c.b, c.s, c.segment, c.t == c.s ? 7 : 8);
+    CK(cudaMalloc(&d.q_seg, q_seg.size() * 4));
+    CK(cudaMalloc(&d.kv_seg, kv_seg.size() * 4));
+    CK(cudaMemcpy(d.q_seg, q_seg.data(), q_seg.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.kv_seg, kv_seg.data(), kv_seg.size() * 4, cudaMemcpyHostToDevice));
+  }
   const AttentionParams p = Params(c, d);
   if (const char* why = jaxgpu::cuda::attention::sm90::WarpSpecializedFwdUnavailable(p)) {
     std::printf("SKIP %s: %s\n", c.Name().c_str(), why);
     return true;
   }
-  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
-                                                             g_persistent));
+  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, Schedule(p), nullptr));
   SyncOrDie(nullptr, 20.0, c.Name());
   std::vector<uint16_t> o(nq);
   std::vector<float> lse(c.b * n * c.t);
@@ -150,8 +195,14 @@ bool Check(const Case& c, std::mt19937& rng) {
           if (c.left >= 0) lo = std::max(lo, i - c.left);
           if (c.right >= 0) hi = std::min(hi, i + c.right);
           const int64_t qrow = ((b * c.t + i) * n + kh * c.r + r) * c.h;
+          auto visible = [&](int64_t j) {
+            return c.segment == 0 || q_seg[b * c.t + i] == kv_seg[b * c.s + j];
+          };
           double mx = -INFINITY;
+          bool any = false;
           for (int64_t j = lo; j <= hi; ++j) {
+            if (!visible(j)) continue;
+            any = true;
             const int64_t krow = ((b * c.s + j) * c.k + kh) * c.h;
             double dot = 0;
             for (int64_t x = 0; x < c.h; ++x) {
@@ -163,16 +214,19 @@ bool Check(const Case& c, std::mt19937& rng) {
             mx = std::max(mx, l);
           }
           double sum = 0;
-          for (int64_t j = lo; j <= hi; ++j) sum += std::exp(logit[j] - mx);
+          for (int64_t j = lo; j <= hi; ++j) {
+            if (visible(j)) sum += std::exp(logit[j] - mx);
+          }
           const float got_lse = lse[((b * c.k + kh) * c.r + r) * c.t + i];
-          if (hi >= lo) worst_lse = std::max(worst_lse, std::fabs(got_lse - (mx + std::log(sum))));
+          if (any) worst_lse = std::max(worst_lse, std::fabs(got_lse - (mx + std::log(sum))));
           for (int64_t x = 0; x < c.h; ++x) {
             double acc = 0;
             for (int64_t j = lo; j <= hi; ++j) {
+              if (!visible(j)) continue;
               acc += std::exp(logit[j] - mx) *
                      HalfValue(c.dtype, v[((b * c.s + j) * c.k + kh) * c.h + x]);
             }
-            const double want = hi >= lo ? acc / sum : 0.0;
+            const double want = any ? acc / sum : 0.0;
             const double got = HalfValue(c.dtype, o[qrow + x]);
             const double err = std::isnan(got) ? INFINITY : std::fabs(got - want);
             worst_o = std::max(worst_o, err);
@@ -200,6 +254,12 @@ void Time(const Case& c) {
   CK(cudaMemset(d.q, 0x3c, nq * 2));
   CK(cudaMemset(d.k, 0x3c, nkv * 2));
   CK(cudaMemset(d.v, 0x3c, nkv * 2));
+  if (c.segment > 0) {  // one segment: ids all 0
+    CK(cudaMalloc(&d.q_seg, c.b * c.t * 4));
+    CK(cudaMalloc(&d.kv_seg, c.b * c.s * 4));
+    CK(cudaMemset(d.q_seg, 0, c.b * c.t * 4));
+    CK(cudaMemset(d.kv_seg, 0, c.b * c.s * 4));
+  }
   const AttentionParams p = Params(c, d);
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
@@ -207,8 +267,7 @@ void Time(const Case& c) {
   std::vector<float> ms;
   for (int rep = 0; rep < 23; ++rep) {
     CK(cudaEventRecord(e0));
-    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, nullptr, g_ping_pong,
-                                                               g_persistent));
+    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, Schedule(p), nullptr));
     CK(cudaEventRecord(e1));
     SyncOrDie(nullptr, 20.0, c.Name());
     float t = 0;
@@ -230,10 +289,13 @@ int main(int argc, char** argv) {
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) time = false;
     if (std::strcmp(argv[i], "--ping-pong") == 0) g_ping_pong = true;
-    if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = true;
+    if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = 1;
+    if (std::strcmp(argv[i], "--no-persistent") == 0) g_persistent = -1;
   }
   std::printf("warp-specialized forward%s%s\n", g_ping_pong ? ", ping-pong" : "",
-              g_persistent ? ", persistent" : "");
+              g_persistent == 1    ? ", persistent"
+              : g_persistent == -1 ? ", not persistent"
+                                   : ", default schedule");
   std::mt19937 rng(20261127);
   int failed = 0, total = 0;
   std::vector<Case> cases = {
@@ -248,6 +310,12 @@ int main(int argc, char** argv) {
       {1, 1, 300, 1, 8, 128},
       {1, 300, 300, 2, 2, 256, true},
       {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},
+      {1, 200, 200, 1, 2, 128, false, -1, -1, 30.f, DType::kF16},  // softcap, not bounded
+      {2, 555, 555, 2, 2, 128, false, -1, -1, 0.f, DType::kBF16, 40},
+      {2, 555, 555, 1, 2, 128, true, -1, -1, 0.f, DType::kBF16, 150},
+      {1, 700, 700, 2, 1, 64, true, 200, -1, 30.f, DType::kBF16, 90},
+      {1, 300, 500, 1, 2, 256, false, -1, -1, 0.f, DType::kBF16, 60},
+      {1, 640, 640, 1, 2, 128, false, -1, -1, 0.f, DType::kBF16, 1000},  // one segment
   };
   for (const Case& c : cases) {
     ++total;
@@ -264,6 +332,9 @@ int main(int argc, char** argv) {
     Time({4, 4096, 4096, 8, 4, 128, true});  // GQA 32/8
     Time({4, 4096, 4096, 16, 1, 256});
     Time({4, 4096, 4096, 16, 1, 256, true});
+    // The options case: softcap + window + segment ids (one segment per row: nothing masked
+    // by them, the cost of deciding so).
+    Time({4, 4096, 4096, 16, 1, 128, true, 1024, -1, 30.f, DType::kBF16, 100000});
   }
   return failed == 0 ? 0 : 1;
 }

@@ -1,6 +1,8 @@
 // Attention forward of the wgmma main loop (Hopper's warpgroup MMAs, sm_90a): the same
 // parameters as the mma.sync forward (sm80/fwd_sm80.cu), the same masking and softmax code,
-// for head dims padded to 64, 128 and 256 (sm90/main_loop.h).
+// for head dims padded to 64, 128 and 256 (sm90/main_loop.h). LaunchFwd runs the
+// warp-specialized forward (fwd_ws_sm90.cu, whose math is this kernel's) wherever it takes
+// the call; this kernel runs the rest (sequence lengths) and is its A/B baseline.
 //
 // One CTA owns kBlockM = 128 queries of one query head: two warpgroups of 64 rows. Per key
 // tile of kBlockN keys a warpgroup computes S = Q K^T with Q and K read by the tensor cores
@@ -15,7 +17,6 @@
 #include <cmath>
 
 #include "attention/attention_launch.cuh"
-#include "common/dev_knobs.h"
 #include "attention/attention_logits.cuh"
 #include "attention/attention_mask.cuh"
 #include "attention/attention_schedule.cuh"
@@ -25,6 +26,7 @@
 #include "attention/sm90/main_loop.h"
 #include "attention/sm90/query_rows.cuh"
 #include "attention/sm90/wgmma.cuh"
+#include "common/dev_knobs.h"
 
 namespace jaxgpu::cuda::attention::sm90 {
 namespace {
@@ -222,18 +224,24 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 }  // namespace
 
-// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<persistent>]
-// runs the warp-specialized forward (fwd_ws_sm90.cu) where it takes the call: mode 1, or 2
-// with the math warpgroups' ping-pong; persistent 1: one CTA an SM. Off until measured.
+// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<persistent>]:
+// mode -1 runs this file's kernel where the warp-specialized one would (the A/B baseline),
+// 2 the warp-specialized one with ping-pong; persistent 1 or -1 forces the persistent grid
+// on or off. 0 or absent: the default schedule.
 DevKnob WarpSpecializedByDevKnob() {
   static const DevKnob knob = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS");
   return knob;
 }
 
+// The warp-specialized forward (fwd_ws_sm90.cu) wherever it takes the call; this file's
+// kernel for the rest (sequence lengths).
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
-  const DevKnob ws = WarpSpecializedByDevKnob();
-  if (ws.ints[0] != 0 && WarpSpecializedFwdUnavailable(p) == nullptr) {
-    const cudaError_t e = LaunchFwdWarpSpecialized(p, stream, ws.ints[0] == 2, ws.ints[1] == 1);
+  const DevKnob knob = WarpSpecializedByDevKnob();
+  if (knob.ints[0] != -1 && WarpSpecializedFwdUnavailable(p) == nullptr) {
+    WsFwdSchedule schedule = DefaultWsFwdSchedule(p);
+    if (knob.ints[0] == 2) schedule.ping_pong = true;
+    if (knob.ints[1] != 0) schedule.persistent = knob.ints[1] == 1;
+    const cudaError_t e = LaunchFwdWarpSpecialized(p, schedule, stream);
     if (e != cudaErrorNotSupported) return e;
   }
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);
