@@ -1,0 +1,599 @@
+// Warp-specialized attention backward (sm_90a), FlashAttention-3's 5-product form: one
+// kernel computes dK and dV in registers and adds each step's dQ partial into a float32
+// accumulator with the copy engine's reduce-add (cp.reduce.async.bulk.tensor), where the
+// part-1 backward (dkv_sm90.cu + dq_sm90.cu) recomputes S and dP in a second kernel (7
+// products). Issue 28's draft: written and compiled without a GPU, NOT YET RUN; reached only
+// through tools/attention_ws_bwd_check.cu.
+//
+// A CTA of 3 warpgroups owns one key tile of one kv head. The copy warpgroup gives up its
+// registers (setmaxnreg 24): its warp 0 loads K and V once, then streams the steps (query
+// head r of the GQA group, 64-query tile) into a ring of kStages slots, Q and dO by TMA and
+// the tile's lse (as RowLse2) and delta by plain loads of its 32 lanes (no reads past T:
+// rows past it get lse2 = +inf, p = 0); its warp 1 issues the dQ reductions. The two math
+// warpgroups (setmaxnreg 240), per step:
+//   S^T = K Q^T, dP^T = V dO^T   (SS; keys are the MMA rows, as in dkv_sm90)
+//   P^T, dS^T                    (ToLogits / ProbsAndGrads exactly as dkv_sm90)
+//   dV += P^T dO, dK += dS^T Q   (P^T, dS^T from registers, or at H = 256 from shared memory)
+//   dS^T -> shared memory (16-bit), named barrier 1 (both warpgroups' keys written)
+//   dQ_step = dS K               (SS: dS^T and K both MN-major operands; a warpgroup takes
+//                                 half of dQ's columns over all the tile's keys)
+//   named barrier 2 (every product of both warpgroups done with the slot's Q, dO and dS^T)
+//   dQ_step (float32) -> the slot's own Q/dO bytes (64 x H x 4 = 2 x 64 x H x 2: exactly
+//   a slot), fence.proxy.async, arrive on dq_full.
+// The writer warp then (deterministic: waits for the query tile's semaphore to equal this
+// key tile's rank) issues one reduce-add per 32-column box, commits the bulk group, waits
+// for it (.read, or whole completion when deterministic, then publishes rank + 1 with a
+// release store) and frees the slot for the copy warp. Staging dQ in the slot it came from
+// is what makes H = 256 fit: K, V (64 KB), 2 slots of Q, dO (128 KB), P^T and dS^T (16 KB).
+//
+// Tile shapes. H <= 128: 128 keys a CTA, each math warpgroup 64 keys x 64 queries of S^T,
+// holding its keys' dV and dK (2 x H / 2 floats a thread at H = 128) and P^T, dS^T as
+// registers for the RS products; 4 slots. H = 256: dV and dK of 64 keys x 256 would be 256
+// floats a thread, so the CTA takes 64 keys and splits by columns: warpgroup g computes
+// S^T and dP^T for queries 32g..32g+31 of the step (N = 32), both warpgroups write P^T and
+// dS^T to shared memory, and each then accumulates dV, dK and dQ for head-dim columns
+// 128g..128g+127 (3 x 64 floats a thread); 2 slots (the 227 KB above).
+//
+// Determinism (deterministic = true): query tile m of query head n receives the adds of
+// the key tiles [lo, hi) that see it (Mask::KeyRange, exact for causal and windows, so the
+// range has no gaps and matches each key tile's walk) in increasing key-tile order: tile j
+// waits for semaphore == j - lo. No deadlock: a CTA only ever waits on CTAs of the same
+// (batch, kv head) with a lower key tile; the grid puts key tiles fastest, so those have
+// lower block indices, and blocks are dispatched in increasing index (in practice; the
+// programming model does not promise it), so whenever CTA j is resident its predecessors
+// are resident or done, and by induction on j each finishes. Within a CTA the writer warp
+// waits only on other CTAs and frees slots in step order. Query tiles are walked last
+// first: under the causal mask every key tile then starts on the tile all of them share,
+// the long (low) key tiles are the least delayed, and no key tile waits for a predecessor
+// that has more steps left before the same tile (docs/perf/attention.md section 2.4).
+//
+// Covered: 16-bit q/k/v, head dims padded to 64, 128 or 256 (H a multiple of 8), causal and
+// window masks, softcap, GQA/MQA, any T and S. Not segment ids, sequence lengths, bias or
+// mask (WarpSpecializedBwdUnavailable: the part-1 backward runs those).
+//
+// ptxas (CUDA 13.0, sm_90a; registers are the kernel's 168 before setmaxnreg), per
+// instance: see the table at the end of this comment, filled from -Xptxas -v.
+#include "attention/sm90/bwd_ws_sm90.h"
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cmath>
+
+#include "attention/attention_launch.cuh"
+#include "attention/attention_logits.cuh"
+#include "attention/attention_mask.cuh"
+#include "attention/attention_schedule.cuh"
+#include "attention/attention_softmax.cuh"
+#include "attention/sm90/tma.cuh"
+#include "attention/sm90/tma_reduce.cuh"
+#include "attention/sm90/wgmma.cuh"
+
+namespace jaxgpu::cuda::attention::sm90 {
+namespace {
+
+template <int kHeadDim_>
+struct WsBwdTraits {
+  static constexpr int kHeadDim = kHeadDim_;
+  static constexpr bool kSplitQueries = kHeadDim > 128;  // the H = 256 shape (file comment)
+  static constexpr int kBlockN = kSplitQueries ? 64 : 128;  // keys a CTA
+  static constexpr int kBlockM = 64;                         // queries a step
+  static constexpr int kStages = kSplitQueries ? 2 : 4;
+  static constexpr int kMathThreads = 256;
+  static constexpr int kThreads = kMathThreads + 128;
+  // 128 x 24 + 256 x 240 <= 65536, as the forward splits them.
+  static constexpr int kCopyRegisters = 24;
+  static constexpr int kMathRegisters = 240;
+  // Per math warpgroup: the query columns of its S^T (its rows are always 64 keys), and the
+  // columns of dK / dV and of dQ it accumulates.
+  static constexpr int kQueries = kSplitQueries ? 32 : 64;
+  static constexpr int kDkvCols = kSplitQueries ? 128 : kHeadDim;
+  static constexpr int kDqCols = kSplitQueries ? 128 : kHeadDim / 2;
+  using KVTile = SwizzledTile<kBlockN, kHeadDim>;
+  using QTile = SwizzledTile<kBlockM, kHeadDim>;
+  using STile = SwizzledTile<kBlockN, kBlockM>;  // P^T, dS^T: keys x queries
+  static constexpr int kStageBytes = 2 * QTile::kBytes;
+  static_assert(kStageBytes == kBlockM * kHeadDim * 4, "dQ's float32 tile fills a slot");
+  static constexpr int kDqBoxBytes = kBlockM * 128;  // 32 floats x 64 rows
+  static constexpr int kStageOffset = 2 * KVTile::kBytes;
+  static constexpr int kDsOffset = kStageOffset + kStages * kStageBytes;
+  static constexpr int kPOffset = kDsOffset + STile::kBytes;
+  static constexpr int kStatsOffset = kPOffset + (kSplitQueries ? STile::kBytes : 0);
+  static constexpr int kBarrierOffset = kStatsOffset + kStages * 2 * kBlockM * 4;
+  // Barriers: kv_full, full[s], empty[s], dq_full[s].
+  static constexpr int kBarriers = 1 + 3 * kStages;
+  static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8 + 1024;
+  static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory");
+};
+
+struct BwdMaps {
+  CUtensorMap q, d_o, k, v, dq;
+};
+
+template <typename Tr>
+struct BwdSmem {
+  unsigned char* base;
+  __device__ __forceinline__ unsigned char* k() const { return base; }
+  __device__ __forceinline__ unsigned char* v() const { return base + Tr::KVTile::kBytes; }
+  // Slot s: Q then dO; after the step's products, its dQ partial (float32 boxes).
+  __device__ __forceinline__ unsigned char* slot(int s) const {
+    return base + Tr::kStageOffset + s * Tr::kStageBytes;
+  }
+  __device__ __forceinline__ unsigned char* q(int s) const { return slot(s); }
+  __device__ __forceinline__ unsigned char* d_o(int s) const {
+    return slot(s) + Tr::QTile::kBytes;
+  }
+  __device__ __forceinline__ unsigned char* ds() const { return base + Tr::kDsOffset; }
+  __device__ __forceinline__ unsigned char* pt() const { return base + Tr::kPOffset; }
+  __device__ __forceinline__ float* lse2(int s) const {
+    return reinterpret_cast<float*>(base + Tr::kStatsOffset) + s * 2 * Tr::kBlockM;
+  }
+  __device__ __forceinline__ float* delta(int s) const { return lse2(s) + Tr::kBlockM; }
+  __device__ __forceinline__ uint64_t* barrier(int i) const {
+    return reinterpret_cast<uint64_t*>(base + Tr::kBarrierOffset) + i;
+  }
+  __device__ __forceinline__ uint64_t* kv_full() const { return barrier(0); }
+  __device__ __forceinline__ uint64_t* full(int s) const { return barrier(1 + s); }
+  __device__ __forceinline__ uint64_t* empty(int s) const { return barrier(1 + Tr::kStages + s); }
+  __device__ __forceinline__ uint64_t* dq_full(int s) const {
+    return barrier(1 + 2 * Tr::kStages + s);
+  }
+};
+
+// The CTA's key tile and the query tiles it walks; every role computes the same.
+struct BwdTile {
+  int b, kh, n_block, n0;
+  Mask mask;
+  int m_begin, m_end;  // 64-query tiles [m_begin, m_end)
+  int steps;           // (m_end - m_begin) x the GQA group
+};
+
+// Key tiles fastest in the grid: the determinism argument (file comment) needs a key
+// tile's predecessors at lower block indices.
+template <typename Tr>
+__device__ __forceinline__ BwdTile MakeBwdTile(const AttentionParams& p) {
+  BwdTile t;
+  const int n_tiles = static_cast<int>((p.kv_len + Tr::kBlockN - 1) / Tr::kBlockN);
+  const int flat = static_cast<int>(blockIdx.x);
+  t.n_block = flat % n_tiles;
+  const int kv_head = flat / n_tiles;
+  t.kh = kv_head % static_cast<int>(p.kv_heads);
+  t.b = kv_head / static_cast<int>(p.kv_heads);
+  t.mask = MakeMask(p, t.b);
+  t.n0 = t.n_block * Tr::kBlockN;
+  const int n_last = min(t.n0 + Tr::kBlockN, t.mask.kv_len) - 1;
+  const TileWalk walk = MakeTileWalk<false>(t.mask, t.n0, n_last, t.n0, n_last, Tr::kBlockM);
+  t.m_begin = walk.begin;
+  t.m_end = walk.end;
+  t.steps = (walk.end - walk.begin) * static_cast<int>(p.group);
+  return t;
+}
+
+// The walk over steps: query tiles last first, the group's query heads inside.
+struct StepCursor {
+  int m, r;
+  __device__ __forceinline__ void Next(int group) {
+    if (++r == group) r = 0, --m;
+  }
+};
+
+// A warp's packed 16-bit A fragments (PackProbs: kK / 16 k-steps of its 16 rows) stored
+// into a (rows, 64) SwizzledTile at rows row0.. (row0 = the warp's first row + g) and
+// columns col0..: 4-byte stores, the 8 rows of a column chunk on 8 different chunks (the
+// swizzle), so no bank conflicts.
+template <typename Tile, int kK>
+__device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32_t (&a)[kK / 16][1][4],
+                                               int row0, int col0, int lane) {
+  const int t = lane & 3;
+  auto put = [&](int row, int col, uint32_t v) {
+    *reinterpret_cast<uint32_t*>(tile + Tile::ChunkOffset(row, col >> 3) + (col & 7) * 2) = v;
+  };
+#pragma unroll
+  for (int kk = 0; kk < kK / 16; ++kk) {
+    const int lo = col0 + 16 * kk + 2 * t;
+    put(row0, lo, a[kk][0][0]);
+    put(row0 + 8, lo, a[kk][0][1]);
+    put(row0, lo + 8, a[kk][0][2]);
+    put(row0 + 8, lo + 8, a[kk][0][3]);
+  }
+}
+
+// A warp's 16 rows (row0 + g, + 8) of a float32 64 x kCols accumulator, columns col0.. of
+// the slot's dQ tile, into the boxes of the dq tensor map: box c holds columns 32c..32c+31,
+// 64 rows of 128 bytes, chunk k of row r at k ^ (r % 8). 8-byte stores, 2 rows a bank set:
+// the minimum of 2 wavefronts a warp store.
+template <int kCols, int kBoxBytes>
+__device__ __forceinline__ void StoreDqTile(unsigned char* slot, const float (&acc)[kCols / 8][4],
+                                            int row0, int col0, int lane) {
+  const int t = lane & 3;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const int row = row0 + g + 8 * h;
+#pragma unroll
+    for (int j = 0; j < kCols / 8; ++j) {
+      const int col = col0 + 8 * j + 2 * t;
+      const int chunk = (col & 31) >> 2;
+      unsigned char* dst = slot + (col >> 5) * kBoxBytes + row * 128 +
+                           ((chunk ^ (row & 7)) << 4) + (col & 3) * 4;
+      *reinterpret_cast<float2*>(dst) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
+    }
+  }
+}
+
+// One math warpgroup (group 0 or 1) over the CTA's steps, then its dK and dV stores.
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const LogitScale& ls,
+                                              const BwdSmem<Tr>& sm, const BwdTile& tile,
+                                              int group) {
+  constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kS = Tr::kStages;
+  constexpr int kQ = Tr::kQueries, kDkv = Tr::kDkvCols, kDq = Tr::kDqCols;
+  constexpr bool kSplit = Tr::kSplitQueries;
+  using KVTile = typename Tr::KVTile;
+  using QTile = typename Tr::QTile;
+  using STile = typename Tr::STile;
+  const int lane = threadIdx.x & 31;
+  const int wk = (threadIdx.x >> 5) & 3;  // the warp within its warpgroup
+  const int t = lane & 3;
+  const Mask& mask = tile.mask;
+  // The warpgroup's S^T rows (keys, tile-relative) and columns (queries, step-relative);
+  // its dK / dV columns and dQ columns.
+  const int key0 = kSplit ? 0 : 64 * group;
+  const int qoff = kSplit ? 32 * group : 0;
+  const int warp_row = key0 + 16 * wk;  // the warp's first key in the tile
+  const int warp_key0 = tile.n0 + warp_row;
+  const int dkv_col0 = kSplit ? 128 * group : 0;
+  const int dq_col0 = kDq * group;
+
+  float acc_dv[1][kDkv / 8][4], acc_dk[1][kDkv / 8][4];
+  Zero(acc_dv);
+  Zero(acc_dk);
+
+  if (tile.steps > 0) {
+    // A operands of S^T and dP^T: this warpgroup's keys of K and V (K-major).
+    const uint64_t k_desc0 = SwizzledDescriptor(sm.k() + key0 * 128, 16, 1024);
+    const uint64_t v_desc0 = SwizzledDescriptor(sm.v() + key0 * 128, 16, 1024);
+    // dQ = dS K: A = dS read from dS^T (keys x queries, queries contiguous: MN-major, one
+    // 64-column block), B = K's columns dq_col0.. (head dim contiguous: MN-major). At H =
+    // 64 a warpgroup's 32 columns start 64 bytes into K's one 128-byte-swizzled block
+    // (the swizzle is a function of the address, as for the 32-byte k-steps of K-major
+    // operands).
+    const uint64_t ds_desc_mn0 = SwizzledDescriptor(sm.ds(), STile::kBlockBytes, 1024);
+    const uint64_t k_desc_mn0 = SwizzledDescriptor(
+        sm.k() + (dq_col0 / 64) * KVTile::kBlockBytes + (dq_col0 % 64) * 2, KVTile::kBlockBytes,
+        1024);
+    // H = 256: P^T and dS^T as K-major A operands of dV and dK.
+    const uint64_t pt_desc = SwizzledDescriptor(sm.pt(), 16, 1024);
+    const uint64_t ds_desc = SwizzledDescriptor(sm.ds(), 16, 1024);
+
+    MbarrierWait(sm.kv_full(), 0);
+    StepCursor cur{tile.m_end - 1, 0};
+    for (int s = 0; s < tile.steps; ++s, cur.Next(static_cast<int>(p.group))) {
+      const int st = s % kS;
+      const int m0 = cur.m * kM;
+      // The lane, opaque to the compiler inside the loop: otherwise it hoists the ~30
+      // swizzled store offsets derived from it out of the loop and spills them (unmasked
+      // H = 128 kernels: 180 bytes); recomputing them is a few integer ops a step.
+      int lane_v = lane;
+      asm volatile("" : "+r"(lane_v));
+      // Likewise the descriptors' per-k-step values (16 64-bit words for K and V alone).
+      uint64_t k_desc = k_desc0, v_desc = v_desc0, ds_desc_mn = ds_desc_mn0,
+               k_desc_mn = k_desc_mn0;
+      asm volatile("" : "+l"(k_desc), "+l"(v_desc), "+l"(ds_desc_mn), "+l"(k_desc_mn));
+      unsigned char* sq = sm.q(st);
+      unsigned char* sdo = sm.d_o(st);
+      MbarrierWait(sm.full(st), static_cast<uint32_t>((s / kS) & 1));
+
+      float sc[1][kQ / 8][4], dp[1][kQ / 8][4];
+      Fence();
+      ProductSS<T, kQ, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
+          sc[0], k_desc, SwizzledDescriptor(sq + qoff * 128, 16, 1024), false);
+      ProductSS<T, kQ, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
+          dp[0], v_desc, SwizzledDescriptor(sdo + qoff * 128, 16, 1024), false);
+      Commit();
+      Wait<0>();
+      KeepOrder(sc[0]);
+      KeepOrder(dp[0]);
+
+      // Rows are keys, columns queries (kTransposed), as in dkv_sm90. Queries past T need
+      // no mask: their lse2 is +inf (p = 0) and their Q, dO rows are zero-filled.
+      const int q_first = m0 + qoff;
+      const TileMasking tm =
+          DecideMasking<kMaskable>(mask, false, q_first, min(q_first + kQ, mask.q_len) - 1,
+                                   warp_key0, warp_key0 + 15, nullptr, 0, nullptr, 0, lane);
+      ToLogits<true, kQ, kSoftcap>(sc[0], ls, mask, tm.masked, warp_key0, q_first, nullptr,
+                                   nullptr, lane);
+      const float* lse2 = sm.lse2(st) + qoff;
+      const float* delta = sm.delta(st) + qoff;
+#pragma unroll
+      for (int j = 0; j < kQ / 8; ++j) {
+        const float2 l = *reinterpret_cast<const float2*>(lse2 + 8 * j + 2 * t);
+        const float2 dl = *reinterpret_cast<const float2*>(delta + 8 * j + 2 * t);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          ProbsAndGrads<kSoftcap>(sc[0][j][e], dp[0][j][e], (e & 1) ? l.y : l.x,
+                                  (e & 1) ? dl.y : dl.x, ls);
+        }
+      }
+      uint32_t p_frags[kQ / 16][1][4], ds_frags[kQ / 16][1][4];
+      PackProbs<T, kQ, 1>(p_frags, sc);
+      PackProbs<T, kQ, 1>(ds_frags, dp);
+      if constexpr (!kSplit) {
+        // dV += P^T dO, dK += dS^T Q from registers; dO and Q as MN-major B operands.
+        Fence();
+        ProductRS<T, kD, kQ>(acc_dv[0], p_frags, SwizzledDescriptor(sdo, QTile::kBlockBytes, 1024));
+        ProductRS<T, kD, kQ>(acc_dk[0], ds_frags, SwizzledDescriptor(sq, QTile::kBlockBytes, 1024));
+        Commit();
+        StoreFragments<STile, kQ>(sm.ds(), ds_frags, warp_row + (lane_v >> 2), qoff, lane_v);
+      } else {
+        StoreFragments<STile, kQ>(sm.pt(), p_frags, warp_row + (lane_v >> 2), qoff, lane_v);
+        StoreFragments<STile, kQ>(sm.ds(), ds_frags, warp_row + (lane_v >> 2), qoff, lane_v);
+      }
+      // The tiles, written by the generic proxy, are read next by wgmma (the async proxy).
+      FenceSharedForAsyncProxy();
+      NamedSync(1, Tr::kMathThreads);  // both warpgroups' halves of dS^T (and P^T) written
+      if constexpr (!kSplit) {
+        // P^T and dS^T leave the registers before dQ's 32 accumulators arrive: with them
+        // the unmasked kernels spilled ~180 bytes at 240 registers (dV and dK hold 128).
+        Wait<0>();
+        KeepOrder(acc_dv[0]);
+        KeepOrder(acc_dk[0]);
+      }
+      Fence();
+      if constexpr (kSplit) {
+        // dV += P^T dO and dK += dS^T Q over the step's 64 queries, columns dkv_col0..
+        const int cols = (dkv_col0 / 64) * QTile::kBlockBytes;
+        ProductSST<T, kDkv, kM, false, STile::kBlockBytes, true, QTile::kBlockBytes>(
+            acc_dv[0], pt_desc, SwizzledDescriptor(sdo + cols, QTile::kBlockBytes, 1024), true);
+        ProductSST<T, kDkv, kM, false, STile::kBlockBytes, true, QTile::kBlockBytes>(
+            acc_dk[0], ds_desc, SwizzledDescriptor(sq + cols, QTile::kBlockBytes, 1024), true);
+      }
+      float acc_dq[kDq / 8][4];
+      ProductSST<T, kDq, Tr::kBlockN, true, STile::kBlockBytes, true, KVTile::kBlockBytes>(
+          acc_dq, ds_desc_mn, k_desc_mn, false);
+      Commit();
+      Wait<0>();
+      KeepOrder(acc_dv[0]);
+      KeepOrder(acc_dk[0]);
+      KeepOrder(acc_dq);
+      // Every product of both warpgroups is done with the slot's Q and dO and with the
+      // P^T / dS^T tiles: the slot takes the dQ partial, the tiles the next step's.
+      NamedSync(2, Tr::kMathThreads);
+      StoreDqTile<kDq, Tr::kDqBoxBytes>(sm.slot(st), acc_dq, 16 * wk, dq_col0, lane_v);
+      FenceSharedForAsyncProxy();  // read next by the copy engine
+      MbarrierArrive(sm.dq_full(st));
+    }
+  }
+
+  // dK times the softmax scale: dS was taken with respect to the scaled logits.
+  const HeadOffsets off = MakeHeadOffsets(p, tile.b, tile.kh, 0);
+  const int64_t out = off.kv + static_cast<int64_t>(tile.n0) * off.kv_ld;
+  const int keys = mask.kv_len - tile.n0;
+  const int dim = static_cast<int>(p.head_dim);
+  StoreAccumulator<T, kDkv>(static_cast<T*>(p.dv) + out, off.kv_ld, acc_dv[0], 1.f, warp_row, keys,
+                            dkv_col0, dim, lane);
+  StoreAccumulator<T, kDkv>(static_cast<T*>(p.dk) + out, off.kv_ld, acc_dk[0], ls.scale, warp_row,
+                            keys, dkv_col0, dim, lane);
+}
+
+// The copy warp (all 32 lanes): K and V, then each step's Q, dO, lse2 and delta into its
+// slot once the writer has freed it. full(s) takes 32 arrivals: lane 0's carries the TMA
+// bytes, each lane's publishes its own lse2 / delta stores.
+template <typename Tr>
+__device__ __forceinline__ void CopyWarp(const AttentionParams& p, const BwdMaps& maps,
+                                         const BwdSmem<Tr>& sm, const BwdTile& tile) {
+  constexpr int kM = Tr::kBlockM, kS = Tr::kStages, kD = Tr::kHeadDim;
+  const int lane = threadIdx.x & 31;
+  if (tile.steps == 0) return;
+  if (lane == 0) {
+    MbarrierArriveExpectTx(sm.kv_full(), 2 * Tr::KVTile::kBytes);
+    TmaLoadBoxes<Tr::kBlockN, kD>(sm.k(), &maps.k, sm.kv_full(), tile.kh, tile.n0, tile.b);
+    TmaLoadBoxes<Tr::kBlockN, kD>(sm.v(), &maps.v, sm.kv_full(), tile.kh, tile.n0, tile.b);
+  }
+  const int group = static_cast<int>(p.group);
+  StepCursor cur{tile.m_end - 1, 0};
+  for (int s = 0; s < tile.steps; ++s, cur.Next(group)) {
+    const int st = s % kS;
+    if (s >= kS) MbarrierWait(sm.empty(st), static_cast<uint32_t>((s / kS - 1) & 1));
+    const int m0 = cur.m * kM;
+    const int qh = tile.kh * group + cur.r;
+    const int64_t stats = (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * p.q_len;
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int i = lane + 32 * h;
+      const bool valid = m0 + i < tile.mask.q_len;
+      sm.lse2(st)[i] = RowLse2(valid ? p.lse[stats + m0 + i] : 0.f, valid);
+      sm.delta(st)[i] = valid ? p.delta[stats + m0 + i] : 0.f;
+    }
+    if (lane == 0) {
+      MbarrierArriveExpectTx(sm.full(st), Tr::kStageBytes);
+      TmaLoadBoxes<kM, kD>(sm.q(st), &maps.q, sm.full(st), qh, m0, tile.b);
+      TmaLoadBoxes<kM, kD>(sm.d_o(st), &maps.d_o, sm.full(st), qh, m0, tile.b);
+    } else {
+      MbarrierArrive(sm.full(st));
+    }
+  }
+}
+
+// The writer (one thread): each step's dQ partial, once the math warpgroups have staged it,
+// reduce-added into dq_accum box by box; deterministic: in key-tile order per query tile.
+template <typename Tr>
+__device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps& maps,
+                                         const BwdSmem<Tr>& sm, const BwdTile& tile,
+                                         int* semaphores, bool deterministic) {
+  constexpr int kM = Tr::kBlockM, kS = Tr::kStages;
+  const int group = static_cast<int>(p.group);
+  const int m_tiles = static_cast<int>((p.q_len + kM - 1) / kM);
+  const int dim = static_cast<int>(p.head_dim);
+  StepCursor cur{tile.m_end - 1, 0};
+  for (int s = 0; s < tile.steps; ++s, cur.Next(group)) {
+    const int st = s % kS;
+    const int m0 = cur.m * kM;
+    const int qh = tile.kh * group + cur.r;
+    int* sem = nullptr;
+    int rank = 0;
+    MbarrierWait(sm.dq_full(st), static_cast<uint32_t>((s / kS) & 1));
+    if (deterministic) {
+      int lo, hi;
+      tile.mask.KeyRange(m0, min(m0 + kM, tile.mask.q_len) - 1, &lo, &hi);
+      rank = tile.n_block - lo / Tr::kBlockN;
+      sem = semaphores +
+            (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles + cur.m;
+      while (LoadAcquireGpu(sem) != rank) {
+      }
+      FenceProxyAsyncGlobal();  // the reductions below come after the predecessor's
+    }
+#pragma unroll
+    for (int c = 0; c < Tr::kHeadDim / 32; ++c) {
+      // Boxes wholly past H (padded head dims) carry zeros and nothing to add.
+      if (32 * c < dim) {
+        TmaReduceAddBox(&maps.dq, sm.slot(st) + c * Tr::kDqBoxBytes, 32 * c, qh, m0, tile.b);
+      }
+    }
+    BulkCommit();
+    if (deterministic) {
+      BulkWait<0>();  // the adds performed, not only their source read
+      FenceProxyAsyncGlobal();
+      StoreReleaseGpu(sem, rank + 1);
+    } else {
+      BulkWaitRead<0>();
+    }
+    MbarrierArrive(sm.empty(st));
+  }
+  BulkWait<0>();
+}
+
+template <typename T, typename Tr, bool kMaskable, bool kSoftcap>
+__global__ void __launch_bounds__(Tr::kThreads, 1)
+    BwdWsKernel(const AttentionParams p, const LogitScale ls, const __grid_constant__ BwdMaps maps,
+                int* semaphores, bool deterministic) {
+#if JAXGPU_WGMMA_DEVICE
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  const BwdSmem<Tr> sm{SwizzleAligned(smem_raw)};
+  if (threadIdx.x == 0) {
+    MbarrierInit(sm.kv_full(), 1);
+    for (int s = 0; s < Tr::kStages; ++s) {
+      MbarrierInit(sm.full(s), 32);
+      MbarrierInit(sm.empty(s), 1);
+      MbarrierInit(sm.dq_full(s), Tr::kMathThreads);
+    }
+    FenceBarrierInit();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles split below
+
+  const BwdTile tile = MakeBwdTile<Tr>(p);
+  const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
+  if (group == 2) {
+    ReleaseRegisters<Tr::kCopyRegisters>();
+    const int warp = (threadIdx.x >> 5) & 3;
+    if (warp == 0) {
+      CopyWarp<Tr>(p, maps, sm, tile);
+    } else if (warp == 1 && (threadIdx.x & 31) == 0) {
+      DqWriter<Tr>(p, maps, sm, tile, semaphores, deterministic);
+    }
+  } else {
+    ClaimRegisters<Tr::kMathRegisters>();
+    MathWarpgroup<T, Tr, kMaskable, kSoftcap>(p, ls, sm, tile, group);
+  }
+#endif
+}
+
+// dq = acc * scale, 4 elements a thread-iteration (B T N H is a multiple of 8).
+template <typename T>
+__global__ void __launch_bounds__(256) DqConvertKernel(const float* acc, T* dq, int64_t n4,
+                                                        float scale) {
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
+       i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
+    const float4 a = reinterpret_cast<const float4*>(acc)[i];
+    uint2 out;
+    out.x = PackPair<T>(a.x * scale, a.y * scale);
+    out.y = PackPair<T>(a.z * scale, a.w * scale);
+    reinterpret_cast<uint2*>(dq)[i] = out;
+  }
+}
+
+}  // namespace
+
+const char* WarpSpecializedBwdUnavailable(const AttentionParams& p) {
+  if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) return "16-bit q, k, v only";
+  if (HasExtras(p) || p.q_segment_ids != nullptr) {
+    return "segment ids, sequence lengths, bias and mask stay on the part-1 backward";
+  }
+  const int padded = PaddedHeadDim(p.head_dim);
+  if (padded != 64 && padded != 128 && padded != 256) {
+    return "head dims padded to 64, 128 or 256 only";
+  }
+  if (p.head_dim % 8 != 0) return "the copy engine needs rows of whole 16-byte chunks";
+  if (!(p.scale > 0.f)) return "scale > 0 (folded into exp2)";
+  if (p.q_len >= (int64_t{1} << 31) || p.kv_len >= (int64_t{1} << 31)) return "T, S < 2^31";
+  return nullptr;
+}
+
+cudaError_t LaunchBwdWarpSpecializedMain(const AttentionParams& p, float* dq_accum,
+                                         int* dq_semaphores, cudaStream_t stream,
+                                         bool deterministic) {
+  if (WarpSpecializedBwdUnavailable(p) != nullptr) return cudaErrorNotSupported;
+  if (dq_accum == nullptr || (deterministic && dq_semaphores == nullptr)) {
+    return cudaErrorInvalidValue;
+  }
+  const int64_t n_heads = p.kv_heads * p.group;
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    auto run = [&](auto traits) -> cudaError_t {
+      using Tr = decltype(traits);
+      BwdMaps maps;
+      const bool encoded =
+          EncodeHeadTensorMap(&maps.q, p.q, p.batch, p.q_len, n_heads, p.head_dim,
+                              n_heads * p.head_dim, Tr::kBlockM) &&
+          EncodeHeadTensorMap(&maps.d_o, p.d_o, p.batch, p.q_len, n_heads, p.head_dim,
+                              n_heads * p.head_dim, Tr::kBlockM) &&
+          EncodeHeadTensorMap(&maps.k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim,
+                              p.kv_heads * p.head_dim, Tr::kBlockN) &&
+          EncodeHeadTensorMap(&maps.v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim,
+                              p.kv_heads * p.head_dim, Tr::kBlockN) &&
+          EncodeFloatRowsTensorMap(&maps.dq, dq_accum, p.batch, p.q_len, n_heads, p.head_dim,
+                                   n_heads * p.head_dim, Tr::kBlockM);
+      if (!encoded) return cudaErrorNotSupported;
+      return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
+        return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {
+          auto kernel = BwdWsKernel<T, Tr, kMaskable, kSoftcap>;
+          JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
+          dim3 grid;
+          JAXGPU_RETURN_IF_CUDA_ERROR(
+              FlatGrid(p.batch * p.kv_heads, CeilDiv(p.kv_len, Tr::kBlockN), &grid));
+          kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(
+              p, MakeLogitScale(p.scale, p.softcap, p.dtype), maps, dq_semaphores, deterministic);
+          return cudaGetLastError();
+        });
+      });
+    };
+    const int padded = PaddedHeadDim(p.head_dim);
+#ifdef JAXGPU_BWD_WS_ONLY_H128  // development builds: one head dim compiles 3x faster
+    if (padded != 128) return cudaErrorNotSupported;
+    return run(WsBwdTraits<128>{});
+#else
+    if (padded == 64) return run(WsBwdTraits<64>{});
+    if (padded == 128) return run(WsBwdTraits<128>{});
+    return run(WsBwdTraits<256>{});
+#endif
+  });
+}
+
+cudaError_t LaunchDqAccumConvert(const AttentionParams& p, const float* dq_accum,
+                                 cudaStream_t stream) {
+  const int64_t n4 = p.batch * p.q_len * p.kv_heads * p.group * p.head_dim / 4;
+  if (n4 == 0) return cudaSuccess;
+  const int64_t blocks = std::min<int64_t>(CeilDiv(n4, 256), 132 * 16);
+  return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
+    DqConvertKernel<T><<<static_cast<unsigned>(blocks), 256, 0, stream>>>(
+        dq_accum, static_cast<T*>(p.dq), n4, p.scale);
+    return cudaGetLastError();
+  });
+}
+
+cudaError_t LaunchBwdWarpSpecialized(const AttentionParams& p, float* dq_accum, int* dq_semaphores,
+                                     cudaStream_t stream, bool deterministic) {
+  JAXGPU_RETURN_IF_CUDA_ERROR(
+      LaunchBwdWarpSpecializedMain(p, dq_accum, dq_semaphores, stream, deterministic));
+  return LaunchDqAccumConvert(p, dq_accum, stream);
+}
+
+}  // namespace jaxgpu::cuda::attention::sm90
