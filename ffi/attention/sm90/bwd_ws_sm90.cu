@@ -205,7 +205,7 @@ __device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32
 template <int kCols, int kBoxBytes>
 __device__ __forceinline__ void StoreDqTile(unsigned char* slot, const float (&acc)[kCols / 8][4],
                                             int row0, int col0, int lane) {
-  const int t = lane & 3;
+  const int g = lane >> 2, t = lane & 3;
 #pragma unroll
   for (int h = 0; h < 2; ++h) {
     const int row = row0 + g + 8 * h;
