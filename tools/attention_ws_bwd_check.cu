@@ -72,9 +72,10 @@ void StartWatchdog() {
       std::this_thread::sleep_for(std::chrono::milliseconds(100));
       const int64_t deadline = g_deadline_ms.load();
       if (deadline != 0 && NowMs() > deadline) {
-        std::printf("HANG %s: the GPU did not finish within 20 s (a barrier phase or a dQ "
-                    "semaphore never reached); exiting\n",
-                    g_label);
+        std::printf(
+            "HANG %s: the GPU did not finish within 20 s (a barrier phase or a dQ "
+            "semaphore never reached); exiting\n",
+            g_label);
         std::fflush(stdout);
         std::_Exit(2);
       }
@@ -127,9 +128,9 @@ struct Device {
   float *lse = nullptr, *delta = nullptr, *dq_accum = nullptr;
   int* sems = nullptr;
   ~Device() {
-    for (void* ptr : {q, k, v, o, d_o, dq, dk, dv, static_cast<void*>(lse),
-                      static_cast<void*>(delta), static_cast<void*>(dq_accum),
-                      static_cast<void*>(sems)}) {
+    for (void* ptr :
+         {q, k, v, o, d_o, dq, dk, dv, static_cast<void*>(lse), static_cast<void*>(delta),
+          static_cast<void*>(dq_accum), static_cast<void*>(sems)}) {
       cudaFree(ptr);
     }
   }
@@ -189,9 +190,8 @@ void Launch(const Case& c, const Device& d, bool deterministic, const std::strin
   CK(cudaMemset(d.dv, 0xff, nkv * 2));
   CK(cudaMemset(d.dq_accum, 0, ws::BwdDqAccumBytes(p)));
   CK(cudaMemset(d.sems, 0, ws::BwdSemaphoreBytes(p)));
-  const cudaError_t e =
-      ws::LaunchBwdWarpSpecialized(p, d.dq_accum, deterministic ? d.sems : nullptr, nullptr,
-                                   deterministic);
+  const cudaError_t e = ws::LaunchBwdWarpSpecialized(
+      p, d.dq_accum, deterministic ? d.sems : nullptr, nullptr, deterministic);
   if (e != cudaSuccess) {
     std::printf("FAIL %s: launch: %s\n", what.c_str(), cudaGetErrorString(e));
     std::exit(1);
@@ -511,8 +511,8 @@ void Time(const Case& c, bool deterministic) {
   std::printf(
       "time %s: main %.1f us + convert %.1f us (+ workspace zeroing %.1f us): %.0f TFLOP/s "
       "(main alone %.0f)\n",
-      name.c_str(), main_ms * 1e3, conv * 1e3, zero * 1e3, flops / ((main_ms + conv) * 1e-3) * 1e-12,
-      flops / (main_ms * 1e-3) * 1e-12);
+      name.c_str(), main_ms * 1e3, conv * 1e3, zero * 1e3,
+      flops / ((main_ms + conv) * 1e-3) * 1e-12, flops / (main_ms * 1e-3) * 1e-12);
   for (auto& e : ev) cudaEventDestroy(e);
 }
 
@@ -548,21 +548,21 @@ int main(int argc, char** argv) {
   int failed = 0, total = 0;
   // b, t, s, k, r, h, causal, left, right, softcap, dtype
   const std::vector<Case> cases = {
-      {1, 128, 128, 1, 1, 128},                      // one tile each way
-      {1, 333, 777, 1, 1, 128},                      // odd T != S
-      {1, 777, 333, 1, 2, 64},                       // odd, GQA 2, H 64
-      {2, 333, 333, 2, 2, 128, true},                // causal, GQA
-      {1, 777, 777, 1, 4, 64, true},                 // causal, GQA 4
-      {1, 500, 500, 2, 1, 96},                       // H 96 (padded to 128)
-      {1, 600, 600, 1, 2, 128, false, 200, 0, 30.f},  // window (200, 0), softcap
+      {1, 128, 128, 1, 1, 128},                                   // one tile each way
+      {1, 333, 777, 1, 1, 128},                                   // odd T != S
+      {1, 777, 333, 1, 2, 64},                                    // odd, GQA 2, H 64
+      {2, 333, 333, 2, 2, 128, true},                             // causal, GQA
+      {1, 777, 777, 1, 4, 64, true},                              // causal, GQA 4
+      {1, 500, 500, 2, 1, 96},                                    // H 96 (padded to 128)
+      {1, 600, 600, 1, 2, 128, false, 200, 0, 30.f},              // window (200, 0), softcap
       {1, 600, 600, 1, 2, 128, true, 130, -1, 0.f, DType::kF16},  // causal + left window, f16
-      {1, 400, 500, 1, 1, 64, false, 70, 90},        // two-sided window
-      {1, 300, 700, 2, 2, 64},                       // S > T
-      {1, 1, 300, 1, 8, 128},                        // T = 1, GQA 8
-      {1, 1, 300, 1, 2, 128, true},                  // T = 1 causal: one key visible
-      {1, 300, 300, 2, 2, 256, true},                // H 256 causal
-      {1, 333, 200, 1, 2, 256},                      // H 256, odd
-      {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},  // H 160 (padded to 256), softcap
+      {1, 400, 500, 1, 1, 64, false, 70, 90},                     // two-sided window
+      {1, 300, 700, 2, 2, 64},                                    // S > T
+      {1, 1, 300, 1, 8, 128},                                     // T = 1, GQA 8
+      {1, 1, 300, 1, 2, 128, true},                               // T = 1 causal: one key visible
+      {1, 300, 300, 2, 2, 256, true},                             // H 256 causal
+      {1, 333, 200, 1, 2, 256},                                   // H 256, odd
+      {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},              // H 160 (padded to 256), softcap
   };
   for (const Case& c : cases) {
     ++total;
@@ -571,12 +571,9 @@ int main(int argc, char** argv) {
   std::printf("checks: %d cases, %d failed\n", total, failed);
   if (time) {
     const std::vector<Case> shapes = {
-        {4, 4096, 4096, 16, 1, 128},
-        {4, 4096, 4096, 16, 1, 128, true},
-        {1, 16384, 16384, 16, 1, 128},
-        {16, 1024, 1024, 16, 1, 64, true},
-        {4, 4096, 4096, 16, 1, 256},
-        {4, 4096, 4096, 8, 4, 128, true},  // GQA 32 / 8
+        {4, 4096, 4096, 16, 1, 128},   {4, 4096, 4096, 16, 1, 128, true},
+        {1, 16384, 16384, 16, 1, 128}, {16, 1024, 1024, 16, 1, 64, true},
+        {4, 4096, 4096, 16, 1, 256},   {4, 4096, 4096, 8, 4, 128, true},  // GQA 32 / 8
     };
     for (const Case& c : shapes) {
       Time(c, false);

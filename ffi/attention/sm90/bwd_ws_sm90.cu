@@ -75,9 +75,9 @@ namespace {
 template <int kHeadDim_>
 struct WsBwdTraits {
   static constexpr int kHeadDim = kHeadDim_;
-  static constexpr bool kSplitQueries = kHeadDim > 128;  // the H = 256 shape (file comment)
+  static constexpr bool kSplitQueries = kHeadDim > 128;     // the H = 256 shape (file comment)
   static constexpr int kBlockN = kSplitQueries ? 64 : 128;  // keys a CTA
-  static constexpr int kBlockM = 64;                         // queries a step
+  static constexpr int kBlockM = 64;                        // queries a step
   static constexpr int kStages = kSplitQueries ? 2 : 4;
   static constexpr int kMathThreads = 256;
   static constexpr int kThreads = kMathThreads + 128;
@@ -88,7 +88,16 @@ struct WsBwdTraits {
   // columns of dK / dV and of dQ it accumulates.
   static constexpr int kQueries = kSplitQueries ? 32 : 64;
   static constexpr int kDkvCols = kSplitQueries ? 128 : kHeadDim;
-  static constexpr int kDqCols = kSplitQueries ? 128 : kHeadDim / 2;
+  // dQ's columns a warpgroup computes: half of them, or at H = 64 with
+  // JAXGPU_BWD_WS_H64_DQ_WHOLE all 64 in warpgroup 0 alone (a fallback, should the halves'
+  // B operand, 32 columns starting 64 bytes into a 128-byte swizzle row, not be read as
+  // assumed: the checker's H = 64 cases would then fail in dq only).
+#if defined(JAXGPU_BWD_WS_H64_DQ_WHOLE) && JAXGPU_BWD_WS_H64_DQ_WHOLE
+  static constexpr bool kDqByOne = kHeadDim == 64;
+#else
+  static constexpr bool kDqByOne = false;
+#endif
+  static constexpr int kDqCols = kSplitQueries ? 128 : (kDqByOne ? 64 : kHeadDim / 2);
   using KVTile = SwizzledTile<kBlockN, kHeadDim>;
   using QTile = SwizzledTile<kBlockM, kHeadDim>;
   using STile = SwizzledTile<kBlockN, kBlockM>;  // P^T, dS^T: keys x queries
@@ -120,9 +129,7 @@ struct BwdSmem {
     return base + Tr::kStageOffset + s * Tr::kStageBytes;
   }
   __device__ __forceinline__ unsigned char* q(int s) const { return slot(s); }
-  __device__ __forceinline__ unsigned char* d_o(int s) const {
-    return slot(s) + Tr::QTile::kBytes;
-  }
+  __device__ __forceinline__ unsigned char* d_o(int s) const { return slot(s) + Tr::QTile::kBytes; }
   __device__ __forceinline__ unsigned char* ds() const { return base + Tr::kDsOffset; }
   __device__ __forceinline__ unsigned char* pt() const { return base + Tr::kPOffset; }
   __device__ __forceinline__ float* lse2(int s) const {
@@ -182,8 +189,9 @@ struct StepCursor {
 // columns col0..: 4-byte stores, the 8 rows of a column chunk on 8 different chunks (the
 // swizzle), so no bank conflicts.
 template <typename Tile, int kK>
-__device__ __forceinline__ void StoreFragments(unsigned char* tile, const uint32_t (&a)[kK / 16][1][4],
-                                               int row0, int col0, int lane) {
+__device__ __forceinline__ void StoreFragments(unsigned char* tile,
+                                               const uint32_t (&a)[kK / 16][1][4], int row0,
+                                               int col0, int lane) {
   const int t = lane & 3;
   auto put = [&](int row, int col, uint32_t v) {
     *reinterpret_cast<uint32_t*>(tile + Tile::ChunkOffset(row, col >> 3) + (col & 7) * 2) = v;
@@ -213,8 +221,8 @@ __device__ __forceinline__ void StoreDqTile(unsigned char* slot, const float (&a
     for (int j = 0; j < kCols / 8; ++j) {
       const int col = col0 + 8 * j + 2 * t;
       const int chunk = (col & 31) >> 2;
-      unsigned char* dst = slot + (col >> 5) * kBoxBytes + row * 128 +
-                           ((chunk ^ (row & 7)) << 4) + (col & 3) * 4;
+      unsigned char* dst =
+          slot + (col >> 5) * kBoxBytes + row * 128 + ((chunk ^ (row & 7)) << 4) + (col & 3) * 4;
       *reinterpret_cast<float2*>(dst) = make_float2(acc[j][2 * h], acc[j][2 * h + 1]);
     }
   }
@@ -258,9 +266,9 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
     // (the swizzle is a function of the address, as for the 32-byte k-steps of K-major
     // operands).
     const uint64_t ds_desc_mn0 = SwizzledDescriptor(sm.ds(), STile::kBlockBytes, 1024);
-    const uint64_t k_desc_mn0 = SwizzledDescriptor(
-        sm.k() + (dq_col0 / 64) * KVTile::kBlockBytes + (dq_col0 % 64) * 2, KVTile::kBlockBytes,
-        1024);
+    const uint64_t k_desc_mn0 =
+        SwizzledDescriptor(sm.k() + (dq_col0 / 64) * KVTile::kBlockBytes + (dq_col0 % 64) * 2,
+                           KVTile::kBlockBytes, 1024);
     // H = 256: P^T and dS^T as K-major A operands of dV and dK.
     const uint64_t pt_desc = SwizzledDescriptor(sm.pt(), 16, 1024);
     const uint64_t ds_desc = SwizzledDescriptor(sm.ds(), 16, 1024);
@@ -276,8 +284,7 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       int lane_v = lane;
       asm volatile("" : "+r"(lane_v));
       // Likewise the descriptors' per-k-step values (16 64-bit words for K and V alone).
-      uint64_t k_desc = k_desc0, v_desc = v_desc0, ds_desc_mn = ds_desc_mn0,
-               k_desc_mn = k_desc_mn0;
+      uint64_t k_desc = k_desc0, v_desc = v_desc0, ds_desc_mn = ds_desc_mn0, k_desc_mn = k_desc_mn0;
       asm volatile("" : "+l"(k_desc), "+l"(v_desc), "+l"(ds_desc_mn), "+l"(k_desc_mn));
       unsigned char* sq = sm.q(st);
       unsigned char* sdo = sm.d_o(st);
@@ -300,8 +307,8 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       const TileMasking tm =
           DecideMasking<kMaskable>(mask, false, q_first, min(q_first + kQ, mask.q_len) - 1,
                                    warp_key0, warp_key0 + 15, nullptr, 0, nullptr, 0, lane);
-      ToLogits<true, kQ, kSoftcap>(sc[0], ls, mask, tm.masked, warp_key0, q_first, nullptr,
-                                   nullptr, lane);
+      ToLogits<true, kQ, kSoftcap>(sc[0], ls, mask, tm.masked, warp_key0, q_first, nullptr, nullptr,
+                                   lane);
       const float* lse2 = sm.lse2(st) + qoff;
       const float* delta = sm.delta(st) + qoff;
 #pragma unroll
@@ -348,8 +355,11 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
             acc_dk[0], ds_desc, SwizzledDescriptor(sq + cols, QTile::kBlockBytes, 1024), true);
       }
       float acc_dq[kDq / 8][4];
-      ProductSST<T, kDq, Tr::kBlockN, true, STile::kBlockBytes, true, KVTile::kBlockBytes>(
-          acc_dq, ds_desc_mn, k_desc_mn, false);
+      const bool dq_here = !Tr::kDqByOne || group == 0;  // the same in the whole warpgroup
+      if (dq_here) {
+        ProductSST<T, kDq, Tr::kBlockN, true, STile::kBlockBytes, true, KVTile::kBlockBytes>(
+            acc_dq, ds_desc_mn, k_desc_mn, false);
+      }
       Commit();
       Wait<0>();
       KeepOrder(acc_dv[0]);
@@ -358,7 +368,7 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       // Every product of both warpgroups is done with the slot's Q and dO and with the
       // P^T / dS^T tiles: the slot takes the dQ partial, the tiles the next step's.
       NamedSync(2, Tr::kMathThreads);
-      StoreDqTile<kDq, Tr::kDqBoxBytes>(sm.slot(st), acc_dq, 16 * wk, dq_col0, lane_v);
+      if (dq_here) StoreDqTile<kDq, Tr::kDqBoxBytes>(sm.slot(st), acc_dq, 16 * wk, dq_col0, lane_v);
       FenceSharedForAsyncProxy();  // read next by the copy engine
       MbarrierArrive(sm.dq_full(st));
     }
@@ -436,8 +446,8 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
       int lo, hi;
       tile.mask.KeyRange(m0, min(m0 + kM, tile.mask.q_len) - 1, &lo, &hi);
       rank = tile.n_block - lo / Tr::kBlockN;
-      sem = semaphores +
-            (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles + cur.m;
+      sem =
+          semaphores + (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles + cur.m;
       while (LoadAcquireGpu(sem) != rank) {
       }
       FenceProxyAsyncGlobal();  // the reductions below come after the predecessor's
@@ -499,8 +509,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 // dq = acc * scale, 4 elements a thread-iteration (B T N H is a multiple of 8).
 template <typename T>
-__global__ void __launch_bounds__(256) DqConvertKernel(const float* acc, T* dq, int64_t n4,
-                                                        float scale) {
+__global__ void __launch_bounds__(256)
+    DqConvertKernel(const float* acc, T* dq, int64_t n4, float scale) {
   for (int64_t i = static_cast<int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n4;
        i += static_cast<int64_t>(gridDim.x) * blockDim.x) {
     const float4 a = reinterpret_cast<const float4*>(acc)[i];
@@ -535,22 +545,23 @@ cudaError_t LaunchBwdWarpSpecializedMain(const AttentionParams& p, float* dq_acc
   if (dq_accum == nullptr || (deterministic && dq_semaphores == nullptr)) {
     return cudaErrorInvalidValue;
   }
+  // Nothing to compute (S = 0 leaves dq_accum at its zeros and dK, dV empty).
+  if (p.batch == 0 || p.q_len == 0 || p.kv_len == 0 || p.kv_heads == 0) return cudaSuccess;
   const int64_t n_heads = p.kv_heads * p.group;
   return JAXGPU_ATTENTION_DTYPE_SWITCH(p.dtype, T, [&] {
     auto run = [&](auto traits) -> cudaError_t {
       using Tr = decltype(traits);
       BwdMaps maps;
-      const bool encoded =
-          EncodeHeadTensorMap(&maps.q, p.q, p.batch, p.q_len, n_heads, p.head_dim,
-                              n_heads * p.head_dim, Tr::kBlockM) &&
-          EncodeHeadTensorMap(&maps.d_o, p.d_o, p.batch, p.q_len, n_heads, p.head_dim,
-                              n_heads * p.head_dim, Tr::kBlockM) &&
-          EncodeHeadTensorMap(&maps.k, p.k, p.batch, p.kv_len, p.kv_heads, p.head_dim,
-                              p.kv_heads * p.head_dim, Tr::kBlockN) &&
-          EncodeHeadTensorMap(&maps.v, p.v, p.batch, p.kv_len, p.kv_heads, p.head_dim,
-                              p.kv_heads * p.head_dim, Tr::kBlockN) &&
-          EncodeFloatRowsTensorMap(&maps.dq, dq_accum, p.batch, p.q_len, n_heads, p.head_dim,
-                                   n_heads * p.head_dim, Tr::kBlockM);
+      const bool encoded = EncodeHeadTensorMap(&maps.q, p.q, p.batch, p.q_len, n_heads, p.head_dim,
+                                               n_heads * p.head_dim, Tr::kBlockM) &&
+                           EncodeHeadTensorMap(&maps.d_o, p.d_o, p.batch, p.q_len, n_heads,
+                                               p.head_dim, n_heads * p.head_dim, Tr::kBlockM) &&
+                           EncodeHeadTensorMap(&maps.k, p.k, p.batch, p.kv_len, p.kv_heads,
+                                               p.head_dim, p.kv_heads * p.head_dim, Tr::kBlockN) &&
+                           EncodeHeadTensorMap(&maps.v, p.v, p.batch, p.kv_len, p.kv_heads,
+                                               p.head_dim, p.kv_heads * p.head_dim, Tr::kBlockN) &&
+                           EncodeFloatRowsTensorMap(&maps.dq, dq_accum, p.batch, p.q_len, n_heads,
+                                                    p.head_dim, n_heads * p.head_dim, Tr::kBlockM);
       if (!encoded) return cudaErrorNotSupported;
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
         return JAXGPU_BOOL_SWITCH(NeedsMask(p, Tr::kBlockN), kMaskable, [&] {

@@ -27,9 +27,8 @@ namespace jaxgpu::cuda::attention::sm90 {
 // 128-byte swizzle allows, and the swizzle is what lets a warp's accumulator rows (8 rows
 // 128 bytes apart) be stored without 8-way bank conflicts. False where the driver or the
 // tensor's alignment does not allow it.
-inline bool EncodeFloatRowsTensorMap(CUtensorMap* map, const void* base, int64_t batch,
-                                     int64_t len, int64_t heads, int64_t dim, int64_t ld,
-                                     int rows) {
+inline bool EncodeFloatRowsTensorMap(CUtensorMap* map, const void* base, int64_t batch, int64_t len,
+                                     int64_t heads, int64_t dim, int64_t ld, int rows) {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -159,12 +158,12 @@ struct WgmmaT;
     }                                                                                \
   };
 
-#define JAXGPU_WGMMA_T_ALL(T, TYPE)                                 \
-  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 32, false, true, "0, 1")       \
-  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 64, false, true, "0, 1")       \
-  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 128, false, true, "0, 1")      \
-  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 32, true, true, "1, 1")        \
-  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 64, true, true, "1, 1")        \
+#define JAXGPU_WGMMA_T_ALL(T, TYPE)                            \
+  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 32, false, true, "0, 1")  \
+  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 64, false, true, "0, 1")  \
+  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 128, false, true, "0, 1") \
+  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 32, true, true, "1, 1")   \
+  JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 64, true, true, "1, 1")   \
   JAXGPU_WGMMA_T_SPECIALIZE(T, TYPE, 128, true, true, "1, 1")
 
 JAXGPU_WGMMA_T_ALL(__nv_bfloat16, "bf16")
