@@ -51,8 +51,17 @@
 // window masks, softcap, GQA/MQA, any T and S. Not segment ids, sequence lengths, bias or
 // mask (WarpSpecializedBwdUnavailable: the part-1 backward runs those).
 //
-// ptxas (CUDA 13.0, sm_90a; registers are the kernel's 168 before setmaxnreg), per
-// instance: see the table at the end of this comment, filled from -Xptxas -v.
+// ptxas -v (CUDA 13.0, sm_90a), each of bf16 / f16 alike: 168 registers (the launch
+// bound; setmaxnreg then moves the math warpgroups to 240, the copy warpgroup to 24), 3
+// barriers. Spill stores in bytes, (plain, masked, softcap, masked + softcap):
+//   H = 128: 0, 0, 0, 0.
+//   H = 64:  56, 52, 56, 52, all in the copy warpgroup's 24-register code (SASS: the STL /
+//            LDL sit after USETMAXREG.DEALLOC), a few per step, not in the math loop.
+//   H = 256: 20, 12, 20, 16: the copy warpgroup's, except one word that masked + softcap
+//            keeps across its math loop's products.
+// Without the two `asm volatile` launderings in the math loop (below) the unmasked H = 128
+// kernels spilled 180 bytes: the compiler hoisted loop-invariant swizzled offsets and
+// descriptor k-steps out of the loop and could not keep them.
 #include "attention/sm90/bwd_ws_sm90.h"
 
 #include <cuda_runtime.h>
@@ -448,8 +457,8 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
       rank = tile.n_block - lo / Tr::kBlockN;
       sem =
           semaphores + (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles + cur.m;
-      while (LoadAcquireGpu(sem) != rank) {
-      }
+      // Spin with a short back-off: dozens of writers poll L2 while a chain is long.
+      while (LoadAcquireGpu(sem) != rank) __nanosleep(64);
       FenceProxyAsyncGlobal();  // the reductions below come after the predecessor's
     }
 #pragma unroll
