@@ -458,13 +458,18 @@ def _raw_fwd(q5, k, v, segs=None, out=None, extras=None, **kw):
       q5, k, v, *segs, *(_no_extras() if extras is None else extras), **_attrs(**kw))
 
 
-def _raw_bwd(q5, k, v, o, lse, do, segs=None, out=None, extras=None, dbias=(0,), **kw):
+_NO_WORKSPACES = (jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.int32))
+
+
+def _raw_bwd(q5, k, v, o, lse, do, segs=None, out=None, extras=None, dbias=(0,),
+             workspaces=_NO_WORKSPACES, **kw):
   """segs: (q_segment_ids, kv_segment_ids, segment_uniform), or None (all three empty);
-  extras: (bias, mask, q_lengths, kv_lengths) or None (all absent); dbias: its shape."""
+  extras: (bias, mask, q_lengths, kv_lengths) or None (all absent); dbias: its shape;
+  workspaces: the fused backward's dq_accum and dq_semaphores (empty: none)."""
   if out is None:
     out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-           jax.ShapeDtypeStruct(dbias, jnp.float32))
+           jax.ShapeDtypeStruct(dbias, jnp.float32)) + tuple(workspaces)
   empty = jnp.zeros((0,), jnp.int32)
   segs = (empty, empty, empty) if segs is None else segs
   return jax.ffi.ffi_call(_target("bwd"), out)(
@@ -489,8 +494,8 @@ def test_cpu_kernel_any_head_dim(h, rng):
   q5 = q.reshape(2, 13, 2, 2, h)
   attrs = dict(scale=np.float32(0.3), softcap=np.float32(3.0), causal=True)
   o, lse = jax.jit(lambda *a: _raw_fwd(*a, **attrs))(q5, k, v)
-  dq, dk, dv, delta, _ = jax.jit(lambda *a: _raw_bwd(*a, **attrs))(q5, k, v, o, lse,
-                                                                   do.reshape(q5.shape))
+  dq, dk, dv, delta, *_ = jax.jit(lambda *a: _raw_bwd(*a, **attrs))(q5, k, v, o, lse,
+                                                                     do.reshape(q5.shape))
   o64, (dq64, dk64, dv64) = np_attention(case, q, k, v, do=do)
   tol = dict(rtol=2e-5, atol=2e-5)
   np.testing.assert_allclose(np.asarray(o).reshape(o64.shape), o64, **tol)
@@ -559,7 +564,8 @@ def _extras(bias=None, mask=None, lengths=None, bias_dtype=jnp.float32, mask_dty
                            jax.ShapeDtypeStruct((1, 6, 2, 4), jnp.float32),
                            jax.ShapeDtypeStruct((1, 6, 2, 8), jnp.float32),
                            jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.float32),
-                           jax.ShapeDtypeStruct((0,), jnp.float32))), "dk: expected"),
+                           jax.ShapeDtypeStruct((0,), jnp.float32)) + _NO_WORKSPACES),
+     "dk: expected"),
     (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 3)), _Q5()),
      "lse: expected"),
     (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)),
@@ -606,12 +612,21 @@ def _extras(bias=None, mask=None, lengths=None, bias_dtype=jnp.float32, mask_dty
                       has_bias=True, has_dbias=True), "dbias: expected 24 elements"),
     (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
                       dbias=(1, 1, 1, 4, 6), has_dbias=True), "has_dbias: needs has_bias"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      workspaces=(jax.ShapeDtypeStruct((1, 4, 2, 2, 4), jnp.float32),
+                                  jax.ShapeDtypeStruct((1, 2, 2, 4), jnp.int32))),
+     "dq_accum: expected"),
+    (lambda: _raw_bwd(_Q5(), _KV4(), _KV4(), _Q5(), jnp.zeros((1, 2, 2, 4)), _Q5(),
+                      workspaces=(jax.ShapeDtypeStruct((1, 4, 2, 2, 8), jnp.float32),
+                                  jax.ShapeDtypeStruct((3,), jnp.int32))),
+     "dq_semaphores: expected 16 elements"),
 ], ids=["q-rank", "k-shape", "v-shape", "v-dtype", "lse-shape", "o-dtype", "softcap", "scale",
         "scale-negative", "window", "seg-dtype", "seg-shape", "seg-not-empty", "dk-count",
         "bwd-lse", "do-dtype", "head-dim", "uniform-shape", "uniform-dtype",
         "uniform-not-empty", "bias-dim", "bias-rank", "bias-dtype", "bias-not-empty",
         "mask-dim", "mask-dtype", "lengths-shape", "lengths-dtype", "lengths-not-empty",
-        "dbias-fwd", "dbias-count", "dbias-without-bias"])
+        "dbias-fwd", "dbias-count", "dbias-without-bias", "dq-accum-shape",
+        "dq-semaphores-count"])
 def test_handler_rejects_bad_buffers(build, match):
   _needs_cpu()
   with jax.default_device(jax.devices("cpu")[0]):

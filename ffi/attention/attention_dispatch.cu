@@ -62,10 +62,11 @@ cudaError_t LaunchAttentionFwd(const AttentionParams& p, AttentionPath path, cud
   return loop->fwd(p, stream);
 }
 
-// Deterministic: no atomics, every gradient element is summed by one thread in a fixed
-// order (but dbias where the bias broadcasts: float32 atomics, attention_extras.cuh).
-// delta first, then dQ per (query tile, query head) and dK/dV per (key tile, kv head), each
-// recomputing the probabilities from the forward's lse (see each main loop).
+// Deterministic: every gradient element is summed in a fixed order (but dbias where the bias
+// broadcasts: float32 atomics, attention_extras.cuh). delta first, then the main loop's
+// fused backward where it takes the call (Hopper: dQ added into a float32 accumulator in
+// key-tile order, sm90/bwd_ws_sm90.h), else dQ per (query tile, query head) and dK/dV per
+// (key tile, kv head), each recomputing the probabilities from the forward's lse.
 cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path, cudaStream_t stream) {
   using namespace attention;
   JAXGPU_RETURN_IF_CUDA_ERROR(CheckLaunchable(p));
@@ -79,6 +80,10 @@ cudaError_t LaunchAttentionBwd(const AttentionParams& p, AttentionPath path, cud
   }
   if (p.batch * p.q_len * p.kv_heads * p.group > 0) {
     JAXGPU_RETURN_IF_CUDA_ERROR(LaunchDelta(p, stream));
+    if (loop->fused_bwd != nullptr && p.kv_len > 0) {
+      const cudaError_t e = loop->fused_bwd(p, stream);
+      if (e != cudaErrorNotSupported) return e;
+    }
     JAXGPU_RETURN_IF_CUDA_ERROR(loop->dq(p, stream));
   }
   // With no query (T = 0) too: dK and dV are zeros then.

@@ -14,7 +14,10 @@
 //              (optional with segment ids: empty keeps every row on the maskable kernels),
 //              bias, mask, q_lengths, kv_lengths (as the forward's)
 //        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace),
-//              dbias f32 (bias's shape) | (0): empty without a bias or with has_dbias false
+//              dbias f32 (bias's shape) | (0): empty without a bias or with has_dbias false,
+//              dq_accum f32 (q's shape) | (0), dq_semaphores s32 (B, K, R, T) | (0): the
+//              fused Hopper backward's workspaces (both or neither; empty: the dQ and
+//              dK/dV kernels run; the CPU handler ignores them)
 //   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
 //        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool,
 //        and optionally path s32 (attention_path.h: 0 = auto when absent; the CPU handlers
@@ -70,7 +73,9 @@ namespace jaxgpu {
                              .Ret<::xla::ffi::AnyBuffer>()  /* dk */              \
                              .Ret<::xla::ffi::AnyBuffer>()  /* dv */              \
                              .Ret<::xla::ffi::AnyBuffer>()  /* delta */           \
-                             .Ret<::xla::ffi::AnyBuffer>()) /* dbias */
+                             .Ret<::xla::ffi::AnyBuffer>()  /* dbias */           \
+                             .Ret<::xla::ffi::AnyBuffer>()  /* dq_accum */        \
+                             .Ret<::xla::ffi::AnyBuffer>()) /* dq_semaphores */
 
 // The attributes every attention handler takes.
 struct AttentionAttrs {
@@ -315,8 +320,9 @@ inline ffi::Error MakeAttentionBwdParams(
     ffi::AnyBuffer d_o, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg, ffi::AnyBuffer seg_uniform,
     ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
     ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk, ffi::Result<ffi::AnyBuffer> dv,
-    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dbias, const AttentionAttrs& a,
-    AttentionParams* p) {
+    ffi::Result<ffi::AnyBuffer> delta, ffi::Result<ffi::AnyBuffer> dbias,
+    ffi::Result<ffi::AnyBuffer> dq_accum, ffi::Result<ffi::AnyBuffer> dq_semaphores,
+    const AttentionAttrs& a, AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
   JAXGPU_RETURN_IF_ERROR(MakeAttentionExtras(bias, mask, q_lengths, kv_lengths, a, p));
   if (a.has_dbias) {
@@ -359,6 +365,15 @@ inline ffi::Error MakeAttentionBwdParams(
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->delta = static_cast<float*>(delta->untyped_data());
+  if (dq_accum->element_count() != 0 || dq_semaphores->element_count() != 0) {
+    JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(*dq_accum, *p, ffi::DataType::F32, "dq_accum"));
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(dq_semaphores, ffi::DataType::S32,
+                                       p->batch * p->kv_heads * p->group * p->q_len,
+                                       "dq_semaphores"));
+    p->dq_accum = static_cast<float*>(dq_accum->untyped_data());
+    p->dq_semaphores = static_cast<int32_t*>(dq_semaphores->untyped_data());
+    p->dq_semaphore_count = static_cast<int64_t>(dq_semaphores->element_count());
+  }
   return ffi::Error::Success();
 }
 

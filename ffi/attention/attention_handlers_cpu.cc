@@ -40,13 +40,14 @@ ffi::Error AttentionBwdCpu(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                            ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                            ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                            ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                           ffi::Result<ffi::AnyBuffer> dbias, ffi::Dictionary attrs) {
+                           ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dq_accum,
+                           ffi::Result<ffi::AnyBuffer> dq_semaphores, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsCpu(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
                                                 bias, mask, q_lengths, kv_lengths, dq, dk, dv,
-                                                delta, dbias, a, &p));
+                                                delta, dbias, dq_accum, dq_semaphores, a, &p));
   cpu::AttentionBwd(p);
   return ffi::Error::Success();
 }

@@ -57,13 +57,14 @@ ffi::Error AttentionBwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
                             ffi::Result<ffi::AnyBuffer> dq, ffi::Result<ffi::AnyBuffer> dk,
                             ffi::Result<ffi::AnyBuffer> dv, ffi::Result<ffi::AnyBuffer> delta,
-                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Dictionary attrs) {
+                            ffi::Result<ffi::AnyBuffer> dbias, ffi::Result<ffi::AnyBuffer> dq_accum,
+                            ffi::Result<ffi::AnyBuffer> dq_semaphores, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionBwdParams(q, k, v, o, lse, d_o, q_seg, kv_seg, seg_uniform,
                                                 bias, mask, q_lengths, kv_lengths, dq, dk, dv,
-                                                delta, dbias, a, &p));
+                                                delta, dbias, dq_accum, dq_semaphores, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
   AttentionPath path;
   JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));

@@ -30,6 +30,9 @@ struct MainLoop {
   cudaError_t (*fwd)(const AttentionParams& p, cudaStream_t stream);
   cudaError_t (*dq)(const AttentionParams& p, cudaStream_t stream);
   cudaError_t (*dkv)(const AttentionParams& p, cudaStream_t stream);
+  // The whole backward after delta in one pass where the main loop has one and it takes
+  // `p` (nullptr, or cudaErrorNotSupported: dq then dkv run instead).
+  cudaError_t (*fused_bwd)(const AttentionParams& p, cudaStream_t stream) = nullptr;
 };
 
 // The backward's first kernel, shared by every main loop (attention_delta.cu): delta =

@@ -80,6 +80,13 @@ struct AttentionParams {
   void* dk;
   void* dv;
   float* delta;
+  // Backward workspaces of the fused (warp-specialized) Hopper backward, allocated by the
+  // caller, zeroed by its launcher (nullptr: the main loop's dQ and dK/dV kernels run): a
+  // float32 dQ accumulator in q's shape, and dq_semaphore_count int32 semaphores (one per
+  // batch row, query head and query tile; the launcher checks that there are enough).
+  float* dq_accum;
+  int32_t* dq_semaphores;
+  int64_t dq_semaphore_count;
 };
 
 // Elements of a bias- or mask-shaped array with these strides (a dim of stride 0 has size 1).

@@ -17,7 +17,9 @@ the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
                                         -> o (B, T, K, R, H), lse float32 (B, K, R, T)
   bwd  q, k, v, o, lse, do[, segs, uniform][, bias, mask, q_len, kv_len]
                                         -> dq, dk, dv, delta float32 (B, K, R, T)
-                                           (workspace)[, dbias float32 (bias's shape)]
+                                           (workspace)[, dbias float32 (bias's shape)],
+                                           dq_accum float32 (q's shape), dq_semaphores
+                                           int32 (B, K, R, T) (workspaces, or empty)
 The bias and mask go to the kernels as (Bb, Kb, Rb, Tb, Sb), a free reshape of their
 (Bb, Nb, Tb, Sb) (Nb = N splits into (K, R), Nb = 1 into (1, 1)), each dim 1 or full: the
 kernels read them with stride 0 on the broadcast dims. Both lengths go together (a missing
@@ -31,21 +33,24 @@ backward also takes `uniform` int32 (B,), 1 where a batch row's q and kv ids are
 segment (`_segment_uniform`, a small XLA reduction in the per-shard body; empty with a
 causal mask or window): the Hopper kernels run those rows without the mask.
 
-Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes per query
-row and head); both are kept for the backward pass with q, k, v, the segment ids, bias,
-mask and lengths, which are the inputs themselves (no copies; a bias neither float32 nor
-q's dtype is cast to float32). With a differentiated bias the backward pass also
-allocates dbias, float32 in the bias's shape (the kernels' accumulator, cast to the bias's
-dtype after). Backward: dq, dk, dv (the shapes and dtypes of q, k,
-v; dk and dv already reduced over the R query heads of each kv head) and delta, a float32
-workspace of B*N*T; with segment ids and no causal mask or window, the per-row flag
-`uniform` (4 bytes per batch row). No T x S array exists in either pass. With H % 8 != 0
-(kernels only), zero-padded copies of q, k and v are made (and kept as the residuals instead of the
-inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
-vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
-results are per example anyway; so is a batched bias or mask that broadcasts over B. The
-gradient of an unbatched bias shared by the batch (a (1, ...) bias) under vmap is per
-example: those backward calls run one example at a time (lax.map).
+Memory. Forward: o (the shape and dtype of q) and lse (float32, B*N*T: 4 bytes per query row
+and head); both are kept for the backward pass with q, k, v, the segment ids, bias, mask and
+lengths, which are the inputs themselves (no copies; a bias neither float32 nor q's dtype is
+cast to float32). With a differentiated bias the backward pass also allocates dbias, float32
+in the bias's shape (the kernels' accumulator, cast to the bias's dtype after). Backward:
+dq, dk, dv (the shapes and dtypes of q, k, v; dk and dv already reduced over the R query
+heads of each kv head) and delta, a float32 workspace of B*N*T; with segment ids and no
+causal mask or window, the per-row flag `uniform` (4 bytes per batch row). On Hopper (the
+fused backward, `_fused_backward`: no segment ids, bias, mask or lengths), a float32 dQ
+accumulator of q's shape (twice q's bytes in bf16: the kernel adds each key tile's dQ into
+it) and an int32 semaphore per query row and head (the adds' fixed order); elsewhere both
+are empty. No T x S array exists in either pass. With H % 8 != 0 (kernels only), zero-padded
+copies of q, k and v are made (and kept as the residuals instead of the inputs), and o, dq,
+dk, dv are sliced copies of padded results (do is padded too). Under vmap, an unbatched
+operand next to batched ones is broadcast to the batch (a copy), as its results are per
+example anyway; so is a batched bias or mask that broadcasts over B. The gradient of an
+unbatched bias shared by the batch (a (1, ...) bias) under vmap is per example: those
+backward calls run one example at a time (lax.map).
 
 Sharding (jit with sharded inputs, shard_map, pmap). The group axis of the transform stack
 (jaxgpu/_kernel_op.py) is B. Factors: q, o, do, dq "g t k r h"; k, v, dk, dv "g s k h";
@@ -247,6 +252,29 @@ def _fwd_call(cfg: _Config, q, k, v, segs, extras):
   return grouped_call(local_fn, layout, q, k, v, *segs, *extras)
 
 
+@functools.cache
+def _hopper_present() -> bool:
+  """Whether JAX sees a compute capability 9.0 GPU (the fused backward's kernels)."""
+  try:
+    return any(getattr(d, "compute_capability", None) == "9.0" for d in jax.devices("gpu"))
+  except RuntimeError:  # no GPU backend
+    return False
+
+
+def _fused_backward(cfg: _Config, h: int, dtype) -> bool:
+  """Whether the backward call gets the fused Hopper backward's workspaces
+  (ffi/attention/sm90/bwd_ws_sm90.h: no segment ids, bias, mask or lengths, head dims padded
+  to 64, 128 or 256, a 16-bit dtype). The handler decides in the end: without them it runs
+  the dQ and dK/dV kernels, and with them where the kernel cannot run (another GPU) too."""
+  if cfg.implementation == "cpu" or cfg.path == _PATHS["mma_sync"]:
+    return False
+  if cfg.has_segments or cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
+    return False
+  if jnp.dtype(dtype) not in _CUDA_DTYPES or not 33 <= h <= 64 and not 97 <= h <= 256:
+    return False
+  return _hopper_present()
+
+
 def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs, extras, want_dbias: bool):
   """(dq, dk, dv, dbias or None); the delta workspace is dropped. dk and dv lack t and r:
   an all-reduce over those factors' mesh axes when they are sharded (the layout mechanism
@@ -260,13 +288,16 @@ def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs, extras, want_dbias: bool)
   def local_fn(q, k, v, o, lse, do, *rest):
     extras = _extras(cfg, rest[n_seg:])
     dbias = (extras[0].shape if want_dbias else (0,))
+    fused = _fused_backward(cfg, q.shape[-1], q.dtype)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
-           jax.ShapeDtypeStruct(dbias, jnp.float32))
+           jax.ShapeDtypeStruct(dbias, jnp.float32),
+           jax.ShapeDtypeStruct(q.shape if fused else (0,), jnp.float32),
+           jax.ShapeDtypeStruct(lse.shape if fused else (0,), jnp.int32))
     outs = jax.ffi.ffi_call(cfg.target("bwd"), out)(
         q, k, v, o, lse, do, *_bwd_segments(cfg, rest[:n_seg]), *extras, **cfg.attrs(),
         has_dbias=want_dbias)
-    return tuple(outs) if want_dbias else tuple(outs[:4])
+    return tuple(outs[:5]) if want_dbias else tuple(outs[:4])  # the workspaces dropped
 
   outs = grouped_call(local_fn, layout, q, k, v, o, lse, do, *segs, *extras)
   dbias = outs[4] if want_dbias else None

@@ -14,6 +14,9 @@ namespace jaxgpu::cuda::attention::sm90 {
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream);  // fwd_sm90.cu
 cudaError_t LaunchDq(const AttentionParams& p, cudaStream_t stream);   // dq_sm90.cu
 cudaError_t LaunchDkv(const AttentionParams& p, cudaStream_t stream);  // dkv_sm90.cu
+// The warp-specialized backward (bwd_ws_sm90.cu) where p carries its workspaces and it
+// takes the call; cudaErrorNotSupported otherwise.
+cudaError_t LaunchFusedBwd(const AttentionParams& p, cudaStream_t stream);
 
 inline const char* Unavailable(const AttentionParams& p) {
 #ifdef JAXGPU_HAS_SM90A
@@ -41,6 +44,6 @@ inline const char* Unavailable(const AttentionParams& p) {
 #endif
 }
 
-inline constexpr MainLoop kMainLoop{Unavailable, LaunchFwd, LaunchDq, LaunchDkv};
+inline constexpr MainLoop kMainLoop{Unavailable, LaunchFwd, LaunchDq, LaunchDkv, LaunchFusedBwd};
 
 }  // namespace jaxgpu::cuda::attention::sm90
