@@ -270,7 +270,7 @@ def _fused_backward(cfg: _Config, h: int, dtype) -> bool:
     return False
   if cfg.has_segments or cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
     return False
-  if jnp.dtype(dtype) not in _CUDA_DTYPES or not 33 <= h <= 64 and not 97 <= h <= 256:
+  if jnp.dtype(dtype) not in _CUDA_DTYPES or not (33 <= h <= 64 or 97 <= h <= 256):
     return False
   return _hopper_present()
 
