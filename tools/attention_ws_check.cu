@@ -144,6 +144,16 @@ jaxgpu::cuda::attention::sm90::WsFwdSchedule Schedule(const AttentionParams& p) 
   return s;
 }
 
+// q, k, v, o and lse of the case's shapes (uninitialized).
+void Allocate(const Case& c, Device* d) {
+  const int64_t nq = c.b * c.t * c.k * c.r * c.h, nkv = c.b * c.s * c.k * c.h;
+  CK(cudaMalloc(&d->q, nq * 2));
+  CK(cudaMalloc(&d->k, nkv * 2));
+  CK(cudaMalloc(&d->v, nkv * 2));
+  CK(cudaMalloc(&d->o, nq * 2));
+  CK(cudaMalloc(&d->lse, c.b * c.k * c.r * c.t * sizeof(float)));
+}
+
 bool Check(const Case& c, std::mt19937& rng) {
   const int64_t n = c.k * c.r;
   const int64_t nq = c.b * c.t * n * c.h, nkv = c.b * c.s * c.k * c.h;
@@ -153,11 +163,7 @@ bool Check(const Case& c, std::mt19937& rng) {
   for (auto& x : k) x = HalfBits(c.dtype, u(rng));
   for (auto& x : v) x = HalfBits(c.dtype, u(rng));
   Device d;
-  CK(cudaMalloc(&d.q, nq * 2));
-  CK(cudaMalloc(&d.k, nkv * 2));
-  CK(cudaMalloc(&d.v, nkv * 2));
-  CK(cudaMalloc(&d.o, nq * 2));
-  CK(cudaMalloc(&d.lse, c.b * n * c.t * sizeof(float)));
+  Allocate(c, &d);
   CK(cudaMemcpy(d.q, q.data(), nq * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.k, k.data(), nkv * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.v, v.data(), nkv * 2, cudaMemcpyHostToDevice));
@@ -246,11 +252,7 @@ void Time(const Case& c) {
   const int64_t n = c.k * c.r;
   const int64_t nq = c.b * c.t * n * c.h, nkv = c.b * c.s * c.k * c.h;
   Device d;
-  CK(cudaMalloc(&d.q, nq * 2));
-  CK(cudaMalloc(&d.k, nkv * 2));
-  CK(cudaMalloc(&d.v, nkv * 2));
-  CK(cudaMalloc(&d.o, nq * 2));
-  CK(cudaMalloc(&d.lse, c.b * n * c.t * sizeof(float)));
+  Allocate(c, &d);
   CK(cudaMemset(d.q, 0x3c, nq * 2));
   CK(cudaMemset(d.k, 0x3c, nkv * 2));
   CK(cudaMemset(d.v, 0x3c, nkv * 2));

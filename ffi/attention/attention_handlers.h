@@ -367,9 +367,8 @@ inline ffi::Error MakeAttentionBwdParams(
   p->delta = static_cast<float*>(delta->untyped_data());
   if (dq_accum->element_count() != 0 || dq_semaphores->element_count() != 0) {
     JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(*dq_accum, *p, ffi::DataType::F32, "dq_accum"));
-    JAXGPU_RETURN_IF_ERROR(CheckBuffer(dq_semaphores, ffi::DataType::S32,
-                                       p->batch * p->kv_heads * p->group * p->q_len,
-                                       "dq_semaphores"));
+    JAXGPU_RETURN_IF_ERROR(
+        CheckBuffer(dq_semaphores, ffi::DataType::S32, AttentionRowStatCount(*p), "dq_semaphores"));
     p->dq_accum = static_cast<float*>(dq_accum->untyped_data());
     p->dq_semaphores = static_cast<int32_t*>(dq_semaphores->untyped_data());
     p->dq_semaphore_count = static_cast<int64_t>(dq_semaphores->element_count());

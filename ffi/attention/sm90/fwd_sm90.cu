@@ -237,7 +237,7 @@ DevKnob WarpSpecializedByDevKnob() {
 // kernel for the rest (sequence lengths).
 cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   const DevKnob knob = WarpSpecializedByDevKnob();
-  if (knob.ints[0] != -1 && WarpSpecializedFwdUnavailable(p) == nullptr) {
+  if (knob.ints[0] != -1) {  // cudaErrorNotSupported where it cannot take the call
     WsFwdSchedule schedule = DefaultWsFwdSchedule(p);
     if (knob.ints[0] == 2) schedule.ping_pong = true;
     if (knob.ints[1] != 0) schedule.persistent = knob.ints[1] == 1;
