@@ -353,7 +353,7 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       // products: the same in the warpgroup's 4 warps.
       const int32_t* query_ids = sm.q_seg(st) + qoff;
       SegmentRange queries_range{0, 0};
-      if (segments) queries_range = WarpSegmentRange(query_ids, kQ, lane_v);
+      if (segments) queries_range = WarpSegmentRange(query_ids, kQ, lane);
       Wait<0>();
       KeepOrder(sc[0]);
       KeepOrder(dp[0]);
