@@ -12,10 +12,11 @@
 // --nondeterministic: check and time only the mode without semaphores (if the deterministic
 // one hangs). --time-options: no checks, only the options case against the plain one
 // (TimeOptions: softcap + window + segment ids all 0, B4 T4096 N16 H128, interleaved).
-// Segment-id cases (MakeSegments: packed runs, one segment a row, flagged rows, queries that
-// see no key) also require exact zeros in the dq of queries that see nothing and in the dk,
-// dv of keys no query sees. By default both modes are checked, the deterministic one run twice and its dq,
-// dk, dv and float32 dq accumulator compared bitwise, and both are timed.
+// By default both modes are checked, the deterministic one run twice and its dq, dk, dv and
+// float32 dq accumulator compared bitwise, and both are timed. Segment-id cases
+// (MakeSegments: packed runs, one segment a row, flagged rows, queries that see no key)
+// also require exact zeros in the dq of queries that see nothing and in the dk, dv of keys
+// no query sees.
 //
 // The kernel gets lse and delta from the reference (as float32), so its outputs are compared
 // against exact gradients of the 16-bit inputs. Tolerance, per element: each output is a sum
