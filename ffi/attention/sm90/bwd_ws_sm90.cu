@@ -17,8 +17,7 @@
 // head r of the GQA group, 64-query tile) into a ring of kStages slots, Q and dO by TMA and
 // the tile's lse (as RowLse2) and delta by plain loads of its 32 lanes (no reads past T:
 // rows past it get lse2 = +inf, p = 0), segment ids by cp.async (below); its warp 1 issues
-// the dQ reductions. The two math
-// warpgroups (setmaxnreg 240), per step:
+// the dQ reductions. The two math warpgroups (setmaxnreg 240), per step:
 //   S^T = K Q^T, dP^T = V dO^T   (SS; keys are the MMA rows, as in dkv_sm90)
 //   P^T, dS^T                    (ToLogits / ProbsAndGrads exactly as dkv_sm90)
 //   dV += P^T dO, dK += dS^T Q   (P^T, dS^T from registers, or at H = 256 from shared memory)
