@@ -10,6 +10,7 @@ On the CPU: the hook, the attribute each call lowers with, and the handlers' che
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -298,3 +299,30 @@ def test_handler_checks_the_attributes(attrs, match):
     with pytest.raises(Exception, match=match):
       jax.block_until_ready(_raw_cpu_fwd(q.reshape(1, 5, 2, 2, 16), k, v, **attrs))
 
+
+
+# ---- the fused Hopper backward's workspaces -------------------------------------------------
+
+
+def test_fused_backward_workspaces_only_where_it_can_run(monkeypatch):
+  """The backward call gets dq_accum and dq_semaphores (ffi/attention/sm90/bwd_ws_sm90.h)
+  only where the fused kernel can take it; elsewhere they would be 2x q's bytes for nothing.
+  The Hopper check is patched: this decides shapes, it runs nothing."""
+  monkeypatch.setattr(attention_op, "_hopper_present", lambda: True)
+  base = attention_op._Config(scale=1.0, softcap=0.0, causal=False, window=(-1, -1),
+                              has_segments=False, implementation="cuda")
+  bf16, replace = jnp.bfloat16, dataclasses.replace
+  fused = attention_op._fused_backward
+  assert fused(base, 128, bf16) and fused(base, 64, jnp.float16) and fused(base, 256, bf16)
+  assert fused(replace(base, causal=True, window=(7, 0)), 40, bf16)
+  assert not fused(base, 96, bf16)        # the mma.sync kernels' head dim
+  assert not fused(base, 32, bf16)
+  assert not fused(base, 128, jnp.float32)
+  assert not fused(replace(base, has_segments=True), 128, bf16)
+  assert not fused(replace(base, has_lengths=True), 128, bf16)
+  assert not fused(replace(base, bias="[g] k r t s"), 128, bf16)
+  assert not fused(replace(base, mask="[g] k r t s"), 128, bf16)
+  assert not fused(replace(base, implementation="cpu"), 128, bf16)
+  assert not fused(replace(base, path=attention_op._PATHS["mma_sync"]), 128, bf16)
+  monkeypatch.setattr(attention_op, "_hopper_present", lambda: False)
+  assert not fused(base, 128, bf16)

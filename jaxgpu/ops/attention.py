@@ -271,7 +271,7 @@ def _fused_backward(cfg: _Config, h: int, dtype) -> bool:
     return False
   if cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
     return False
-  if jnp.dtype(dtype) not in _CUDA_DTYPES or not 33 <= h <= 64 and not 97 <= h <= 256:
+  if jnp.dtype(dtype) not in _CUDA_DTYPES or not (33 <= h <= 64 or 97 <= h <= 256):
     return False
   return _hopper_present()
 
@@ -644,7 +644,9 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Memory (see the module docstring): the forward pass allocates o and a float32
   log-sum-exp of B*N*T, kept for the backward pass with q, k, v, and the bias, mask,
   lengths and segment ids (the inputs themselves, no copies); the backward pass allocates
-  dq, dk, dv and a float32 workspace of B*N*T, and, when the bias is differentiated, a
+  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without segment ids, bias, mask
+  or lengths also a float32 dQ accumulator of q's shape and an int32 per query row and
+  head: the fused backward's), and, when the bias is differentiated, a
   float32 dbias of the bias's own shape (the kernels' accumulator; where the bias
   broadcasts over some dim, the contributions are added into it atomically) cast to the
   bias's dtype. No T x S array and no broadcast copy of the bias or mask, in either pass.

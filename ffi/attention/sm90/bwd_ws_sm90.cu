@@ -398,7 +398,7 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       }
       // The tiles, written by the generic proxy, are read next by wgmma (the async proxy).
       FenceSharedForAsyncProxy();
-      NamedSync(1, Tr::kMathThreads);  // both warpgroups' halves of dS^T (and P^T) written
+      NamedBarrierSync(1, Tr::kMathThreads);  // both warpgroups' halves of dS^T (and P^T) written
       if constexpr (!kSplit) {
         // P^T and dS^T leave the registers before dQ's 32 accumulators arrive: with them
         // the unmasked kernels spilled ~180 bytes at 240 registers (dV and dK hold 128).
@@ -428,7 +428,7 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       KeepOrder(acc_dq);
       // Every product of both warpgroups is done with the slot's Q and dO and with the
       // P^T / dS^T tiles: the slot takes the dQ partial, the tiles the next step's.
-      NamedSync(2, Tr::kMathThreads);
+      NamedBarrierSync(2, Tr::kMathThreads);
       if (dq_here) StoreDqTile<kDq, Tr::kDqBoxBytes>(sm.slot(st), acc_dq, 16 * wk, dq_col0, lane_v);
       FenceSharedForAsyncProxy();  // read next by the copy engine
       MbarrierArrive(sm.dq_full(st));

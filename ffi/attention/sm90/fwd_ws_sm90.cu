@@ -133,14 +133,6 @@ __device__ __forceinline__ void CopySegmentIds(int32_t* dst, const int32_t* ids,
 #endif
 }
 
-// Named barriers 1 and 2 (0 is __syncthreads): warpgroup g's turn on the tensor cores.
-[[maybe_unused]] __device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-[[maybe_unused]] __device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
-  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
-}
-
 // `used` counts the CTA's earlier tiles: K/V tiles through the rings and Q tiles, whose
 // barrier phases go on from there (a persistent CTA's tiles share the rings).
 struct RingUse {

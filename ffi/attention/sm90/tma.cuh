@@ -26,12 +26,9 @@ namespace jaxgpu::cuda::attention::sm90 {
 
 // ---- host ----------------------------------------------------------------------------------
 
-// A 4-d tensor map over a 16-bit (B, L, heads, dim) tensor with row stride `ld` elements
-// (heads * dim when packed) for boxes of (64, 1, rows, 1), 128-byte swizzle. False when the
-// driver has no cuTensorMapEncodeTiled or the tensor breaks the engine's rules (base 16-byte
-// aligned, strides multiples of 16 bytes, dims within 2^32): the caller keeps cp.async.
-inline bool EncodeHeadTensorMap(CUtensorMap* map, const void* base, int64_t batch, int64_t len,
-                                int64_t heads, int64_t dim, int64_t ld, int rows) {
+// The driver's cuTensorMapEncodeTiled, looked up once through the runtime (no libcuda link);
+// nullptr where the driver lacks it.
+inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
     void* fn = nullptr;
     cudaDriverEntryPointQueryResult found{};
@@ -43,20 +40,41 @@ inline bool EncodeHeadTensorMap(CUtensorMap* map, const void* base, int64_t batc
     }
     return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
   }();
-  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (dim * 2) % 16 != 0 ||
-      (ld * 2) % 16 != 0) {
+  return encode;
+}
+
+// A 4-d tensor map over a (B, L, heads, dim) tensor of `elem_bytes`-byte elements (2: 16-bit,
+// whose bits are only moved; 4: float32, which the copy engine's reductions add) with row
+// stride `ld` elements (heads * dim when packed), for boxes of (128 bytes of columns, 1,
+// rows, 1) with the 128-byte swizzle. False when the driver has no cuTensorMapEncodeTiled or
+// the tensor breaks the engine's rules (base 16-byte aligned, strides multiples of 16 bytes,
+// dims within 2^32): the caller keeps another path.
+inline bool EncodeRowsTensorMap(CUtensorMap* map, const void* base, int elem_bytes, int64_t batch,
+                                int64_t len, int64_t heads, int64_t dim, int64_t ld, int rows) {
+  const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
+  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 ||
+      (dim * elem_bytes) % 16 != 0 || (ld * elem_bytes) % 16 != 0) {
     return false;
   }
   const cuuint64_t dims[4] = {cuuint64_t(dim), cuuint64_t(heads), cuuint64_t(len),
                               cuuint64_t(batch)};
   // Strides of dims 1..3 in bytes: a head, a row, a batch entry.
-  const cuuint64_t strides[3] = {cuuint64_t(dim * 2), cuuint64_t(ld * 2), cuuint64_t(len * ld * 2)};
-  const cuuint32_t box[4] = {64, 1, cuuint32_t(rows), 1};
+  const cuuint64_t strides[3] = {cuuint64_t(dim * elem_bytes), cuuint64_t(ld * elem_bytes),
+                                 cuuint64_t(len * ld * elem_bytes)};
+  const cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes), 1, cuuint32_t(rows), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 /* 16-bit: the bits are only moved */, 4,
-                const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return encode(
+             map,
+             elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
+             4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
+             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// The 16-bit q, k, v of the attention kernels: boxes of (64, 1, rows, 1).
+inline bool EncodeHeadTensorMap(CUtensorMap* map, const void* base, int64_t batch, int64_t len,
+                                int64_t heads, int64_t dim, int64_t ld, int rows) {
+  return EncodeRowsTensorMap(map, base, 2, batch, len, heads, dim, ld, rows);
 }
 
 // ---- device --------------------------------------------------------------------------------
@@ -132,6 +150,15 @@ __device__ __forceinline__ void TmaLoadTile(unsigned char* tile, const CUtensorM
   for (int c = 0; c < kDim / 64; ++c) {
     TmaLoadBox(tile + c * Tile::kBlockBytes, map, bar, 64 * c, head, row, b);
   }
+}
+
+// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32):
+// the warpgroups of a warp-specialized CTA meet without stopping the copy warp.
+__device__ __forceinline__ void NamedBarrierSync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
+}
+__device__ __forceinline__ void NamedBarrierArrive(int id, int threads) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // Register budgets of a warp-specialized CTA: the copy warpgroup gives its registers back

@@ -1,11 +1,7 @@
-// The device pieces of the warp-specialized backward (bwd_ws_sm90.cu) that tma.cuh and
-// wgmma.cuh lack: a float32 tensor map and the copy engine's reduce-add from shared memory
-// into it, bulk-group completion, proxy fences, named barriers, acquire/release flags, and
-// wgmma with either operand transposed (MN-major) from shared memory. No XLA types.
-//
-// Kept apart from tma.cuh on purpose (that header is being edited elsewhere): the driver
-// lookup of cuTensorMapEncodeTiled and the named-barrier wrappers duplicate a few lines of
-// tma.cuh / fwd_ws_sm90.cu.
+// The device pieces of the warp-specialized backward (bwd_ws_sm90.cu) beyond tma.cuh and
+// wgmma.cuh: a float32 tensor map and the copy engine's reduce-add from shared memory into
+// it, bulk-group completion, proxy fences, acquire/release flags, and wgmma with either
+// operand transposed (MN-major) from shared memory. No XLA types.
 #pragma once
 
 #include <cuda.h>
@@ -29,30 +25,7 @@ namespace jaxgpu::cuda::attention::sm90 {
 // tensor's alignment does not allow it.
 inline bool EncodeFloatRowsTensorMap(CUtensorMap* map, const void* base, int64_t batch, int64_t len,
                                      int64_t heads, int64_t dim, int64_t ld, int rows) {
-  static PFN_cuTensorMapEncodeTiled_v12000 encode = [] {
-    void* fn = nullptr;
-    cudaDriverEntryPointQueryResult found{};
-    if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, 12000, cudaEnableDefault,
-                                         &found) != cudaSuccess ||
-        found != cudaDriverEntryPointSuccess) {
-      cudaGetLastError();
-      return static_cast<PFN_cuTensorMapEncodeTiled_v12000>(nullptr);
-    }
-    return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-  }();
-  if (encode == nullptr || reinterpret_cast<uintptr_t>(base) % 16 != 0 || (dim * 4) % 16 != 0 ||
-      (ld * 4) % 16 != 0) {
-    return false;
-  }
-  const cuuint64_t dims[4] = {cuuint64_t(dim), cuuint64_t(heads), cuuint64_t(len),
-                              cuuint64_t(batch)};
-  const cuuint64_t strides[3] = {cuuint64_t(dim * 4), cuuint64_t(ld * 4), cuuint64_t(len * ld * 4)};
-  const cuuint32_t box[4] = {32, 1, cuuint32_t(rows), 1};
-  const cuuint32_t unit[4] = {1, 1, 1, 1};
-  return encode(map, CU_TENSOR_MAP_DATA_TYPE_FLOAT32, 4, const_cast<void*>(base), dims, strides,
-                box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
-                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  return EncodeRowsTensorMap(map, base, 4, batch, len, heads, dim, ld, rows);
 }
 
 // ---- device: bulk reductions ---------------------------------------------------------------
@@ -116,11 +89,6 @@ __device__ __forceinline__ void StoreReleaseGpu(int* flag, int v) {
 #if JAXGPU_WGMMA_DEVICE
   asm volatile("st.release.gpu.global.b32 [%0], %1;\n" ::"l"(flag), "r"(v) : "memory");
 #endif
-}
-
-// Named barrier `id` (1..15; 0 is __syncthreads) over `threads` threads (a multiple of 32).
-__device__ __forceinline__ void NamedSync(int id, int threads) {
-  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(threads) : "memory");
 }
 
 // The boxes of a (kRows, kDim) 16-bit SwizzledTile on `bar` with no arrival (the caller's
