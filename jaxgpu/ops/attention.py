@@ -644,7 +644,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Memory (see the module docstring): the forward pass allocates o and a float32
   log-sum-exp of B*N*T, kept for the backward pass with q, k, v, and the bias, mask,
   lengths and segment ids (the inputs themselves, no copies); the backward pass allocates
-  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without segment ids, bias, mask
+  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without a bias, mask
   or lengths also a float32 dQ accumulator of q's shape and an int32 per query row and
   head: the fused backward's), and, when the bias is differentiated, a
   float32 dbias of the bias's own shape (the kernels' accumulator; where the bias
