@@ -304,9 +304,10 @@ def test_segments_interleaved(h, causal, implementation, rng):
 @pytest.mark.parametrize("softcap", (None, 30.0), ids=("plain", "cap"))
 @pytest.mark.parametrize("h", (64, 128, 256))
 def test_segment_rows_uniform_and_packed(h, softcap, implementation, rng):
-  """With segment ids and no positional mask, the Hopper backward runs each batch row on the
-  kernel without the mask when all its ids are one segment, else on the maskable one
-  (SplitsBySegmentRows, ffi/attention/attention_launch.cuh). One call holds both kinds:
+  """With segment ids and no positional mask, the Hopper backward runs each batch row without
+  the segment mask when all its ids are one segment (the part-1 kernels: SplitsBySegmentRows,
+  ffi/attention/attention_launch.cuh; the fused backward, bwd_ws_sm90.cu: the row copies and
+  compares no ids), else with it. One call holds both kinds:
   a row of one segment, a packed row, and a row whose q and kv ids are each uniform but
   differ (nothing visible: zeros, zero gradients). S = 256 is a multiple of every key tile,
   so nothing masks by position."""

@@ -318,7 +318,7 @@ def test_fused_backward_workspaces_only_where_it_can_run(monkeypatch):
   assert not fused(base, 96, bf16)        # the mma.sync kernels' head dim
   assert not fused(base, 32, bf16)
   assert not fused(base, 128, jnp.float32)
-  assert not fused(replace(base, has_segments=True), 128, bf16)
+  assert fused(replace(base, has_segments=True), 128, bf16)
   assert not fused(replace(base, has_lengths=True), 128, bf16)
   assert not fused(replace(base, bias="[g] k r t s"), 128, bf16)
   assert not fused(replace(base, mask="[g] k r t s"), 128, bf16)

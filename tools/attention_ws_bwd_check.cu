@@ -7,11 +7,16 @@
 //   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 \
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awbc \
 //       tools/attention_ws_bwd_check.cu ffi/attention/sm90/bwd_ws_sm90.cu && /tmp/awbc
-//       [--no-time] [--nondeterministic]
+//       [--no-time] [--nondeterministic] [--time-options]
 //
 // --nondeterministic: check and time only the mode without semaphores (if the deterministic
-// one hangs). By default both modes are checked, the deterministic one run twice and its dq,
-// dk, dv and float32 dq accumulator compared bitwise, and both are timed.
+// one hangs). --time-options: no checks, only the options case against the plain one
+// (TimeOptions: softcap + window + segment ids all 0, B4 T4096 N16 H128, interleaved).
+// By default both modes are checked, the deterministic one run twice and its dq, dk, dv and
+// float32 dq accumulator compared bitwise, and both are timed. Segment-id cases
+// (MakeSegments: packed runs, one segment a row, flagged rows, queries that see no key)
+// also require exact zeros in the dq of queries that see nothing and in the dk, dv of keys
+// no query sees.
 //
 // The kernel gets lse and delta from the reference (as float32), so its outputs are compared
 // against exact gradients of the 16-bit inputs. Tolerance, per element: each output is a sum
@@ -103,37 +108,127 @@ void Sync(cudaStream_t stream, const std::string& what) {
 
 // ---- cases ---------------------------------------------------------------------------------
 
+// Segment ids of a case (MakeSegments):
+//   kPacked    runs of random lengths (1..~T/5) with increasing ids; the same ids for q and
+//              kv where T == S (self-attention), separate runs otherwise (ids overlapping
+//              in part: some queries then see no key).
+//   kOnePerRow every id of batch row b is 7 + b, q and kv (nothing masked by them).
+//   kMixed     even batch rows one segment, odd rows packed.
+//   kUnseen    packed, then in each row one query run gets an id no key has (those queries
+//              see nothing: dq = 0) and one key run an id no query has (dk = dv = 0).
+//   kZeros     every id 0 (the bench's options case: the ids mask nothing).
+enum class Seg { kNone, kPacked, kOnePerRow, kMixed, kUnseen, kZeros };
+
 struct Case {
   int64_t b, t, s, k, r, h;
   bool causal = false;
   int64_t left = -1, right = -1;
   float softcap = 0.f;
   DType dtype = DType::kBF16;
+  Seg seg = Seg::kNone;
+  bool uniform = false;  // pass p.segment_uniform (1 where a row's ids are all one segment)
 
   std::string Name() const {
-    char buf[200];
+    char buf[240];
     std::string window;
     if (left >= 0 || right >= 0) {
       window = " window(" + std::to_string(left) + "," + std::to_string(right) + ")";
     }
-    std::snprintf(buf, sizeof(buf), "B%lld T%lld S%lld K%lld R%lld H%lld%s%s%s %s", (long long)b,
-                  (long long)t, (long long)s, (long long)k, (long long)r, (long long)h,
-                  causal ? " causal" : "", window.c_str(), softcap > 0 ? " softcap" : "",
-                  dtype == DType::kBF16 ? "bf16" : "f16");
+    static const char* const kSegNames[] = {"",           " seg:packed", " seg:one-per-row",
+                                            " seg:mixed", " seg:unseen", " seg:zeros"};
+    std::snprintf(buf, sizeof(buf), "B%lld T%lld S%lld K%lld R%lld H%lld%s%s%s%s%s %s",
+                  (long long)b, (long long)t, (long long)s, (long long)k, (long long)r,
+                  (long long)h, causal ? " causal" : "", window.c_str(),
+                  softcap > 0 ? " softcap" : "", kSegNames[static_cast<int>(seg)],
+                  uniform ? "+uniform" : "", dtype == DType::kBF16 ? "bf16" : "f16");
     return buf;
   }
   int64_t N() const { return k * r; }
 };
+
+// Segment ids (B, T) and (B, S), empty without them, and the rows' uniformity flags.
+struct Segments {
+  std::vector<int32_t> q, kv, uniform;
+  bool Present() const { return !q.empty(); }
+};
+
+// Increasing ids first_id, first_id + 1, ... over runs of 1..max_run positions.
+void PackedRuns(int64_t len, int32_t first_id, std::mt19937& rng, int32_t* out) {
+  const int64_t max_run = std::max<int64_t>(1, len / 5);
+  std::uniform_int_distribution<int64_t> run(1, max_run);
+  int32_t id = first_id;
+  for (int64_t i = 0; i < len;) {
+    const int64_t n = std::min(run(rng), len - i);
+    for (int64_t x = 0; x < n; ++x) out[i + x] = id;
+    i += n;
+    ++id;
+  }
+}
+
+Segments MakeSegments(const Case& c, std::mt19937& rng) {
+  Segments sg;
+  if (c.seg == Seg::kNone) return sg;
+  sg.q.assign(c.b * c.t, 0);
+  sg.kv.assign(c.b * c.s, 0);
+  for (int64_t b = 0; b < c.b; ++b) {
+    int32_t* q = sg.q.data() + b * c.t;
+    int32_t* kv = sg.kv.data() + b * c.s;
+    const bool one = c.seg == Seg::kOnePerRow || (c.seg == Seg::kMixed && b % 2 == 0);
+    if (c.seg == Seg::kZeros) continue;
+    if (one) {
+      std::fill(q, q + c.t, int32_t(7 + b));
+      std::fill(kv, kv + c.s, int32_t(7 + b));
+      continue;
+    }
+    PackedRuns(c.t, 0, rng, q);
+    if (c.t == c.s) {
+      std::copy(q, q + c.t, kv);
+    } else {
+      PackedRuns(c.s, 0, rng, kv);
+    }
+    if (c.seg == Seg::kUnseen) {
+      // The run holding the middle query, and the run holding the first key.
+      const int32_t qid = q[c.t / 2], kid = kv[0];
+      for (int64_t i = 0; i < c.t; ++i) {
+        if (q[i] == qid) q[i] = 1000 + int32_t(b);
+      }
+      for (int64_t j = 0; j < c.s; ++j) {
+        if (kv[j] == kid) kv[j] = 2000 + int32_t(b);
+      }
+    }
+  }
+  sg.uniform.assign(c.b, 0);
+  for (int64_t b = 0; b < c.b; ++b) {
+    const int32_t* q = sg.q.data() + b * c.t;
+    const int32_t* kv = sg.kv.data() + b * c.s;
+    bool same = true;
+    for (int64_t i = 0; i < c.t; ++i) same = same && q[i] == q[0];
+    for (int64_t j = 0; j < c.s; ++j) same = same && kv[j] == q[0];
+    sg.uniform[b] = same ? 1 : 0;
+  }
+  return sg;
+}
+
+// Whether query i of batch row b sees key j (attention_params.h).
+bool Sees(const Case& c, const Segments& sg, int64_t b, int64_t i, int64_t j) {
+  if (c.causal && j > i) return false;
+  if (c.left >= 0 && j < i - c.left) return false;
+  if (c.right >= 0 && j > i + c.right) return false;
+  if (sg.Present() && sg.q[b * c.t + i] != sg.kv[b * c.s + j]) return false;
+  return true;
+}
 
 struct Device {
   void *q = nullptr, *k = nullptr, *v = nullptr, *o = nullptr, *d_o = nullptr;
   void *dq = nullptr, *dk = nullptr, *dv = nullptr;
   float *lse = nullptr, *delta = nullptr, *dq_accum = nullptr;
   int* sems = nullptr;
+  int32_t *q_seg = nullptr, *kv_seg = nullptr, *uniform = nullptr;  // with segment ids
   ~Device() {
     for (void* ptr :
          {q, k, v, o, d_o, dq, dk, dv, static_cast<void*>(lse), static_cast<void*>(delta),
-          static_cast<void*>(dq_accum), static_cast<void*>(sems)}) {
+          static_cast<void*>(dq_accum), static_cast<void*>(sems), static_cast<void*>(q_seg),
+          static_cast<void*>(kv_seg), static_cast<void*>(uniform)}) {
       cudaFree(ptr);
     }
   }
@@ -163,6 +258,11 @@ AttentionParams Params(const Case& c, const Device& d) {
   p.dk = d.dk;
   p.dv = d.dv;
   p.delta = d.delta;
+  if (c.seg != Seg::kNone) {
+    p.q_segment_ids = d.q_seg;
+    p.kv_segment_ids = d.kv_seg;
+    if (c.uniform) p.segment_uniform = d.uniform;
+  }
   return p;
 }
 
@@ -179,6 +279,11 @@ void Alloc(const Case& c, Device* d) {
   CK(cudaMalloc(&d->dv, nkv * 2));
   CK(cudaMalloc(&d->lse, rows * 4));
   CK(cudaMalloc(&d->delta, rows * 4));
+  if (c.seg != Seg::kNone) {
+    CK(cudaMalloc(&d->q_seg, c.b * c.t * 4));
+    CK(cudaMalloc(&d->kv_seg, c.b * c.s * 4));
+    CK(cudaMalloc(&d->uniform, c.b * 4));
+  }
   const AttentionParams p = Params(c, *d);
   CK(cudaMalloc(&d->dq_accum, ws::BwdDqAccumBytes(p)));
   CK(cudaMalloc(&d->sems, std::max<size_t>(ws::BwdSemaphoreBytes(p), 4)));
@@ -211,9 +316,9 @@ struct Reference {
 };
 
 // q, do (B, T, N, H); k, v (B, S, K, H); lse, delta (B, N, T) with n = kh * R + r.
-Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::vector<double>& kd,
-                      const std::vector<double>& vd, const std::vector<double>& dod,
-                      std::vector<double>* out = nullptr) {
+Reference ComputeWide(const Case& c, const Segments& sg, const std::vector<double>& qd,
+                      const std::vector<double>& kd, const std::vector<double>& vd,
+                      const std::vector<double>& dod, std::vector<double>* out = nullptr) {
   const int64_t n_heads = c.N(), H = c.h;
   const double scale = 1.0 / std::sqrt(double(H));
   Reference ref;
@@ -227,15 +332,18 @@ Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::v
   ref.delta.assign(c.b * n_heads * c.t, 0.f);
   if (out != nullptr) out->assign(qd.size(), 0.0);
   std::vector<double> logit(c.s), slope(c.s), prob(c.s), o(H);
+  std::vector<char> seen(c.s);
   for (int64_t b = 0; b < c.b; ++b) {
     for (int64_t kh = 0; kh < c.k; ++kh) {
       for (int64_t r = 0; r < c.r; ++r) {
         const int64_t n = kh * c.r + r;
         for (int64_t i = 0; i < c.t; ++i) {
-          int64_t lo = 0, hi = c.s - 1;
-          if (c.causal) hi = std::min(hi, i);
-          if (c.left >= 0) lo = std::max(lo, i - c.left);
-          if (c.right >= 0) hi = std::min(hi, i + c.right);
+          // The keys [lo, hi] that query i may see, seen[j] the exact set (Sees).
+          int64_t lo = c.s, hi = -1;
+          for (int64_t j = 0; j < c.s; ++j) {
+            seen[j] = Sees(c, sg, b, i, j);
+            if (seen[j]) lo = std::min(lo, j), hi = j;
+          }
           const int64_t qrow = ((b * c.t + i) * n_heads + n) * H;
           const int64_t stat = (b * n_heads + n) * c.t + i;
           if (hi < lo) {  // sees nothing: lse = -inf, zero gradients
@@ -244,6 +352,7 @@ Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::v
           }
           double mx = -INFINITY;
           for (int64_t j = lo; j <= hi; ++j) {
+            if (!seen[j]) continue;
             const int64_t krow = ((b * c.s + j) * c.k + kh) * H;
             double dot = 0;
             for (int64_t x = 0; x < H; ++x) dot += qd[qrow + x] * kd[krow + x];
@@ -258,10 +367,11 @@ Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::v
             mx = std::max(mx, l);
           }
           double sum = 0;
-          for (int64_t j = lo; j <= hi; ++j) sum += std::exp(logit[j] - mx);
+          for (int64_t j = lo; j <= hi; ++j) sum += seen[j] ? std::exp(logit[j] - mx) : 0.0;
           const double lse = mx + std::log(sum);
           std::fill(o.begin(), o.end(), 0.0);
           for (int64_t j = lo; j <= hi; ++j) {
+            if (!seen[j]) continue;
             prob[j] = std::exp(logit[j] - lse);
             const int64_t krow = ((b * c.s + j) * c.k + kh) * H;
             for (int64_t x = 0; x < H; ++x) o[x] += prob[j] * vd[krow + x];
@@ -272,6 +382,7 @@ Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::v
           ref.lse[stat] = float(lse);
           ref.delta[stat] = float(delta);
           for (int64_t j = lo; j <= hi; ++j) {
+            if (!seen[j]) continue;
             const int64_t krow = ((b * c.s + j) * c.k + kh) * H;
             double dp = 0;
             for (int64_t x = 0; x < H; ++x) dp += dod[qrow + x] * vd[krow + x];
@@ -294,15 +405,16 @@ Reference ComputeWide(const Case& c, const std::vector<double>& qd, const std::v
   return ref;
 }
 
-Reference Compute(const Case& c, const std::vector<uint16_t>& q, const std::vector<uint16_t>& k,
-                  const std::vector<uint16_t>& v, const std::vector<uint16_t>& d_o) {
+Reference Compute(const Case& c, const Segments& sg, const std::vector<uint16_t>& q,
+                  const std::vector<uint16_t>& k, const std::vector<uint16_t>& v,
+                  const std::vector<uint16_t>& d_o) {
   // Inputs as doubles once (the loops read each many times).
   auto widen = [&](const std::vector<uint16_t>& x) {
     std::vector<double> w(x.size());
     for (size_t i = 0; i < x.size(); ++i) w[i] = HalfValue(c.dtype, x[i]);
     return w;
   };
-  return ComputeWide(c, widen(q), widen(k), widen(v), widen(d_o));
+  return ComputeWide(c, sg, widen(q), widen(k), widen(v), widen(d_o));
 }
 
 // --self-test: the reference's gradients against central differences of sum(dO * O) on
@@ -316,18 +428,20 @@ bool SelfTestReference() {
       {1, 7, 5, 2, 1, 8, true},
       {1, 6, 6, 1, 2, 8, false, 2, 1, 0.7f},
       {1, 6, 9, 1, 1, 16, true, 3, -1, 0.f},
+      {2, 9, 9, 1, 2, 8, false, -1, -1, 0.7f, DType::kBF16, Seg::kUnseen},
   };
   bool ok = true;
   for (const Case& c : cases) {
+    const Segments sg = MakeSegments(c, rng);
     const int64_t nq = c.b * c.t * c.N() * c.h, nkv = c.b * c.s * c.k * c.h;
     std::vector<double> q(nq), k(nkv), v(nkv), d_o(nq);
     for (auto* x : {&q, &k, &v, &d_o}) {
       for (auto& e : *x) e = uni(rng);
     }
-    const Reference ref = ComputeWide(c, q, k, v, d_o);
+    const Reference ref = ComputeWide(c, sg, q, k, v, d_o);
     auto loss = [&] {
       std::vector<double> o;
-      ComputeWide(c, q, k, v, d_o, &o);
+      ComputeWide(c, sg, q, k, v, d_o, &o);
       double l = 0;
       for (int64_t i = 0; i < nq; ++i) l += o[i] * d_o[i];
       return l;
@@ -404,7 +518,37 @@ bool Check(const Case& c, std::mt19937& rng) {
     std::printf("SKIP %s: %s\n", c.Name().c_str(), why);
     return true;
   }
-  const Reference ref = Compute(c, q, k, v, d_o);
+  const Segments sg = MakeSegments(c, rng);
+  const Reference ref = Compute(c, sg, q, k, v, d_o);
+  if (sg.Present()) {
+    CK(cudaMemcpy(d.q_seg, sg.q.data(), sg.q.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.kv_seg, sg.kv.data(), sg.kv.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.uniform, sg.uniform.data(), sg.uniform.size() * 4, cudaMemcpyHostToDevice));
+  }
+  // Queries that see no key and keys no query sees: their dq (dk and dv) must be exactly 0,
+  // not merely within the tolerance floor.
+  std::vector<char> q_blind(c.b * c.t, 1), kv_blind(c.b * c.s, 1);
+  int64_t n_q_blind = 0, n_kv_blind = 0;
+  for (int64_t b = 0; b < c.b; ++b) {
+    for (int64_t i = 0; i < c.t; ++i) {
+      for (int64_t j = 0; j < c.s; ++j) {
+        if (Sees(c, sg, b, i, j)) q_blind[b * c.t + i] = 0, kv_blind[b * c.s + j] = 0;
+      }
+    }
+  }
+  for (char x : q_blind) n_q_blind += x;
+  for (char x : kv_blind) n_kv_blind += x;
+  // The number of elements of rows flagged in `blind` (rows of `len` positions, `heads`
+  // heads of H) whose bits are not +-0.
+  auto nonzero = [&](const std::vector<uint16_t>& got, const std::vector<char>& blind,
+                     int64_t heads) {
+    int64_t bad = 0;
+    for (size_t e = 0; e < got.size(); ++e) {
+      const int64_t row = int64_t(e) / (heads * c.h);  // b * len + position
+      if (blind[row] && (got[e] & 0x7fff) != 0) ++bad;
+    }
+    return bad;
+  };
   CK(cudaMemcpy(d.q, q.data(), nq * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.k, k.data(), nkv * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.v, v.data(), nkv * 2, cudaMemcpyHostToDevice));
@@ -430,6 +574,18 @@ bool Check(const Case& c, std::mt19937& rng) {
                    ck = Compare(c, dk, ref.dk, ref.dk_sq, floor),
                    cv = Compare(c, dv, ref.dv, ref.dv_sq, floor);
     bool pass = cq.worst_ratio <= 1 && ck.worst_ratio <= 1 && cv.worst_ratio <= 1;
+    std::string blind;
+    if (n_q_blind > 0 || n_kv_blind > 0) {
+      const int64_t bad_q = nonzero(dq, q_blind, c.N());
+      const int64_t bad_kv = nonzero(dk, kv_blind, c.k) + nonzero(dv, kv_blind, c.k);
+      char buf[160];
+      std::snprintf(buf, sizeof(buf),
+                    "; %lld blind queries (%lld nonzero dq), %lld unseen keys (%lld nonzero dk/dv)",
+                    (long long)n_q_blind, (long long)bad_q, (long long)n_kv_blind,
+                    (long long)bad_kv);
+      blind = buf;
+      pass = pass && bad_q == 0 && bad_kv == 0;
+    }
     std::string repeat;
     if (det) {
       // Rerun: every byte of dq, dk, dv and of the float32 accumulator the same.
@@ -444,9 +600,9 @@ bool Check(const Case& c, std::mt19937& rng) {
     }
     std::printf(
         "%s %s: err/tol dq %.2f dk %.2f dv %.2f; max |err| dq %.1e dk %.1e dv %.1e (max |ref| "
-        "%.1e %.1e %.1e)%s\n",
+        "%.1e %.1e %.1e)%s%s\n",
         pass ? "ok  " : "FAIL", name.c_str(), cq.worst_ratio, ck.worst_ratio, cv.worst_ratio,
-        cq.worst_abs, ck.worst_abs, cv.worst_abs, cq.max_ref, ck.max_ref, cv.max_ref,
+        cq.worst_abs, ck.worst_abs, cv.worst_abs, cq.max_ref, ck.max_ref, cv.max_ref, blind.c_str(),
         repeat.c_str());
     if (!pass) {
       // Where the worst element is: (b, row, head, col) of the worst output.
@@ -475,7 +631,8 @@ double Median(std::vector<float> v) {
 
 // Median times (ms) of the workspace memsets, the main kernel and the conversion, and the
 // backward's TFLOP/s (10 B N T S H flops, half under the causal mask) over main + convert.
-void Time(const Case& c, bool deterministic) {
+// Returns the median of main + convert in ms (0 where the kernel does not take the case).
+double Time(const Case& c, bool deterministic) {
   Device d;
   Alloc(c, &d);
   const int64_t nq = c.b * c.t * c.N() * c.h, nkv = c.b * c.s * c.k * c.h;
@@ -485,11 +642,18 @@ void Time(const Case& c, bool deterministic) {
   CK(cudaMemset(d.v, 0x3c, nkv * 2));
   CK(cudaMemset(d.lse, 0, c.b * c.N() * c.t * 4));
   CK(cudaMemset(d.delta, 0, c.b * c.N() * c.t * 4));
+  if (c.seg != Seg::kNone) {
+    std::mt19937 rng(5);
+    const Segments sg = MakeSegments(c, rng);
+    CK(cudaMemcpy(d.q_seg, sg.q.data(), sg.q.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.kv_seg, sg.kv.data(), sg.kv.size() * 4, cudaMemcpyHostToDevice));
+    CK(cudaMemcpy(d.uniform, sg.uniform.data(), sg.uniform.size() * 4, cudaMemcpyHostToDevice));
+  }
   const AttentionParams p = Params(c, d);
   const std::string name = c.Name() + (deterministic ? " det" : " nondet");
   if (const char* why = ws::WarpSpecializedBwdUnavailable(p)) {
     std::printf("SKIP time %s: %s\n", name.c_str(), why);
-    return;
+    return 0;
   }
   cudaEvent_t ev[4];
   for (auto& e : ev) CK(cudaEventCreate(&e));
@@ -523,21 +687,48 @@ void Time(const Case& c, bool deterministic) {
       name.c_str(), main_ms * 1e3, conv * 1e3, zero * 1e3,
       flops / ((main_ms + conv) * 1e-3) * 1e-12, flops / (main_ms * 1e-3) * 1e-12);
   for (auto& e : ev) cudaEventDestroy(e);
+  return main_ms + conv;
+}
+
+// The bench's options case (softcap 30, window (T, T), segment ids all 0: nothing masked)
+// next to the plain case, deterministic (the library's mode), in interleaved rounds. Four
+// variants: plain; softcap alone (the unmasked kernel with the cap); options as the bench
+// runs it (a window is set, so the op passes no uniformity flags: the maskable kernel
+// copies the ids and decides per step); options with the flags (the rows skip the id work).
+void TimeOptions() {
+  const Case plain{4, 4096, 4096, 16, 1, 128};
+  const Case cap{4, 4096, 4096, 16, 1, 128, false, -1, -1, 30.f};
+  const Case opts{4, 4096, 4096, 16, 1, 128, false, 4096, 4096, 30.f, DType::kBF16, Seg::kZeros};
+  Case opts_flags = opts;
+  opts_flags.uniform = true;
+  for (int round = 0; round < 3; ++round) {
+    const double t_plain = Time(plain, true), t_cap = Time(cap, true), t_opts = Time(opts, true),
+                 t_flags = Time(opts_flags, true);
+    if (t_plain > 0) {
+      std::printf(
+          "options round %d (backward main + convert, deterministic): softcap / plain %.3f, "
+          "options / plain %.3f, options+uniform / plain %.3f\n",
+          round, t_cap / t_plain, t_opts / t_plain, t_flags / t_plain);
+    }
+  }
 }
 
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool time = true;
+  bool time = true, options_only = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) {
       time = false;
+    } else if (std::strcmp(argv[i], "--time-options") == 0) {
+      options_only = true;
     } else if (std::strcmp(argv[i], "--nondeterministic") == 0) {
       g_nondeterministic_only = true;
     } else if (std::strcmp(argv[i], "--self-test") == 0) {
       return SelfTestReference() ? 0 : 1;
     } else {
-      std::printf("usage: %s [--no-time] [--nondeterministic] [--self-test]\n", argv[0]);
+      std::printf("usage: %s [--no-time] [--nondeterministic] [--self-test] [--time-options]\n",
+                  argv[0]);
       return 2;
     }
   }
@@ -573,12 +764,39 @@ int main(int argc, char** argv) {
       {1, 333, 200, 1, 2, 256},                                   // H 256, odd
       {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},              // H 160 (padded to 256), softcap
   };
-  for (const Case& c : cases) {
-    ++total;
-    if (!Check(c, rng)) ++failed;
+  // Segment ids (MakeSegments), then whether p.segment_uniform is passed.
+  constexpr DType kBf = DType::kBF16, kF16 = DType::kF16;
+  const std::vector<Case> seg_cases = {
+      {1, 333, 333, 2, 2, 128, false, -1, -1, 0.f, kBf, Seg::kPacked},      // self-attention, GQA
+      {2, 300, 300, 1, 2, 128, true, -1, -1, 0.f, kBf, Seg::kPacked},       // causal
+      {1, 400, 500, 1, 1, 64, false, 70, 90, 0.f, kBf, Seg::kPacked},       // T != S, window, H 64
+      {1, 600, 600, 1, 2, 128, false, 200, 0, 30.f, kBf, Seg::kPacked},     // window + softcap
+      {1, 1, 300, 1, 2, 128, false, -1, -1, 0.f, kBf, Seg::kPacked},        // T = 1
+      {3, 200, 200, 1, 2, 128, false, -1, -1, 30.f, kBf, Seg::kOnePerRow},  // ranges equal
+      {3, 200, 200, 1, 2, 128, false, -1, -1, 30.f, kBf, Seg::kOnePerRow, true},  // flagged
+      {4, 256, 256, 1, 2, 128, false, -1, -1, 0.f, kBf, Seg::kMixed, true},  // flagged + packed
+      {2, 300, 300, 1, 1, 128, true, -1, -1, 0.f, kBf, Seg::kMixed, true},   // the same, causal
+      {2, 333, 777, 1, 2, 128, false, -1, -1, 0.f, kBf, Seg::kUnseen},       // blind rows, T != S
+      {1, 777, 777, 1, 4, 64, true, -1, -1, 0.f, kF16, Seg::kUnseen},        // causal, f16, GQA 4
+      {1, 500, 500, 2, 1, 96, true, 100, -1, 0.f, kF16, Seg::kPacked},   // H 96, causal + window
+      {1, 300, 300, 2, 2, 256, true, -1, -1, 0.f, kBf, Seg::kPacked},    // H 256 causal
+      {2, 333, 200, 1, 2, 256, false, -1, -1, 30.f, kBf, Seg::kUnseen},  // H 256 softcap, blind
+      {2, 256, 256, 1, 2, 256, false, -1, -1, 0.f, kBf, Seg::kMixed, true},  // H 256 flagged
+  };
+  if (!options_only) {
+    for (const Case& c : cases) {
+      ++total;
+      if (!Check(c, rng)) ++failed;
+    }
+    for (const Case& c : seg_cases) {
+      ++total;
+      if (!Check(c, rng)) ++failed;
+    }
+    std::printf("checks: %d cases, %d failed\n", total, failed);
   }
-  std::printf("checks: %d cases, %d failed\n", total, failed);
-  if (time) {
+  if (options_only) {
+    TimeOptions();
+  } else if (time) {
     const std::vector<Case> shapes = {
         {4, 4096, 4096, 16, 1, 128},   {4, 4096, 4096, 16, 1, 128, true},
         {1, 16384, 16384, 16, 1, 128}, {16, 1024, 1024, 16, 1, 64, true},
@@ -588,6 +806,7 @@ int main(int argc, char** argv) {
       Time(c, false);
       if (!g_nondeterministic_only) Time(c, true);
     }
+    TimeOptions();
   }
   return failed == 0 ? 0 : 1;
 }

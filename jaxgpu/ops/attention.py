@@ -41,16 +41,16 @@ in the bias's shape (the kernels' accumulator, cast to the bias's dtype after). 
 dq, dk, dv (the shapes and dtypes of q, k, v; dk and dv already reduced over the R query
 heads of each kv head) and delta, a float32 workspace of B*N*T; with segment ids and no
 causal mask or window, the per-row flag `uniform` (4 bytes per batch row). On Hopper (the
-fused backward, `_fused_backward`: no segment ids, bias, mask or lengths), a float32 dQ
-accumulator of q's shape (twice q's bytes in bf16: the kernel adds each key tile's dQ into
-it) and an int32 semaphore per query row and head (the adds' fixed order); elsewhere both
-are empty. No T x S array exists in either pass. With H % 8 != 0 (kernels only), zero-padded
-copies of q, k and v are made (and kept as the residuals instead of the inputs), and o, dq,
-dk, dv are sliced copies of padded results (do is padded too). Under vmap, an unbatched
-operand next to batched ones is broadcast to the batch (a copy), as its results are per
-example anyway; so is a batched bias or mask that broadcasts over B. The gradient of an
-unbatched bias shared by the batch (a (1, ...) bias) under vmap is per example: those
-backward calls run one example at a time (lax.map).
+fused backward, `_fused_backward`: no bias, mask or lengths; segment ids are taken), a
+float32 dQ accumulator of q's shape (twice q's bytes in bf16: the kernel adds each key
+tile's dQ into it) and an int32 semaphore per query row and head (the adds' fixed order);
+elsewhere both are empty. No T x S array exists in either pass. With H % 8 != 0 (kernels
+only), zero-padded copies of q, k and v are made (and kept as the residuals instead of the
+inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
+vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
+results are per example anyway; so is a batched bias or mask that broadcasts over B. The
+gradient of an unbatched bias shared by the batch (a (1, ...) bias) under vmap is per
+example: those backward calls run one example at a time (lax.map).
 
 Sharding (jit with sharded inputs, shard_map, pmap). The group axis of the transform stack
 (jaxgpu/_kernel_op.py) is B. Factors: q, o, do, dq "g t k r h"; k, v, dk, dv "g s k h";
@@ -263,12 +263,13 @@ def _hopper_present() -> bool:
 
 def _fused_backward(cfg: _Config, h: int, dtype) -> bool:
   """Whether the backward call gets the fused Hopper backward's workspaces
-  (ffi/attention/sm90/bwd_ws_sm90.h: no segment ids, bias, mask or lengths, head dims padded
-  to 64, 128 or 256, a 16-bit dtype). The handler decides in the end: without them it runs
-  the dQ and dK/dV kernels, and with them where the kernel cannot run (another GPU) too."""
+  (ffi/attention/sm90/bwd_ws_sm90.h: segment ids, but no bias, mask or lengths; head dims
+  padded to 64, 128 or 256; a 16-bit dtype). The handler decides in the end: without them it
+  runs the dQ and dK/dV kernels, and with them where the kernel cannot run (another GPU)
+  too."""
   if cfg.implementation == "cpu" or cfg.path == _PATHS["mma_sync"]:
     return False
-  if cfg.has_segments or cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
+  if cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
     return False
   if jnp.dtype(dtype) not in _CUDA_DTYPES or not (33 <= h <= 64 or 97 <= h <= 256):
     return False
@@ -643,7 +644,7 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   Memory (see the module docstring): the forward pass allocates o and a float32
   log-sum-exp of B*N*T, kept for the backward pass with q, k, v, and the bias, mask,
   lengths and segment ids (the inputs themselves, no copies); the backward pass allocates
-  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without segment ids, bias, mask
+  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without a bias, mask
   or lengths also a float32 dQ accumulator of q's shape and an int32 per query row and
   head: the fused backward's), and, when the bias is differentiated, a
   float32 dbias of the bias's own shape (the kernels' accumulator; where the bias

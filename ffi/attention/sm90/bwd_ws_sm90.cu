@@ -16,8 +16,8 @@
 // registers (setmaxnreg 24): its warp 0 loads K and V once, then streams the steps (query
 // head r of the GQA group, 64-query tile) into a ring of kStages slots, Q and dO by TMA and
 // the tile's lse (as RowLse2) and delta by plain loads of its 32 lanes (no reads past T:
-// rows past it get lse2 = +inf, p = 0); its warp 1 issues the dQ reductions. The two math
-// warpgroups (setmaxnreg 240), per step:
+// rows past it get lse2 = +inf, p = 0), segment ids by cp.async (below); its warp 1 issues
+// the dQ reductions. The two math warpgroups (setmaxnreg 240), per step:
 //   S^T = K Q^T, dP^T = V dO^T   (SS; keys are the MMA rows, as in dkv_sm90)
 //   P^T, dS^T                    (ToLogits / ProbsAndGrads exactly as dkv_sm90)
 //   dV += P^T dO, dK += dS^T Q   (P^T, dS^T from registers, or at H = 256 from shared memory)
@@ -54,18 +54,32 @@
 // the long (low) key tiles are the least delayed, and no key tile waits for a predecessor
 // that has more steps left before the same tile (docs/perf/attention.md section 2.4).
 //
+// Segment ids (the maskable kernels, a runtime switch there: no extra instances). The copy
+// warp's 32 lanes cp.async the key tile's ids with K and V (counted on kv_full) and each
+// step's query ids with its Q and dO (counted on the slot's full barrier), into words
+// beside the slots (the slot bytes take the dQ partial). A warp reduces its 16 keys' id
+// range once, and per step the range of its warpgroup's queries, under the S^T / dP^T
+// products; DecideMaskingInRanges then masks per element (ids compared in ToLogits) only
+// where the two ranges are not one segment. Steps whose ranges are disjoint are still
+// computed (p = dS = 0), so the walk, the wgmma control flow and the deterministic dQ order
+// do not depend on the ids. A batch row flagged in p.segment_uniform (all its q and kv ids
+// one segment) copies and compares no ids: it runs the maskable kernel as if without
+// segment ids (with no position mask, every step then takes the unmasked ToLogits).
+//
 // Covered: 16-bit q/k/v, head dims padded to 64, 128 or 256 (H a multiple of 8), causal and
-// window masks, softcap, GQA/MQA, any T and S. Not segment ids, sequence lengths, bias or
+// window masks, softcap, segment ids, GQA/MQA, any T and S. Not sequence lengths, bias or
 // mask (WarpSpecializedBwdUnavailable: the part-1 backward runs those).
 //
 // ptxas -v (CUDA 13.0, sm_90a), each of bf16 / f16 alike: 168 registers (the launch
 // bound; setmaxnreg then moves the math warpgroups to 240, the copy warpgroup to 24), 3
-// barriers. Spill stores in bytes, (plain, masked, softcap, masked + softcap):
+// barriers. Spill stores in bytes, (plain, masked, softcap, masked + softcap), masked
+// kernels with the segment-id code:
 //   H = 128: 0, 0, 0, 0.
-//   H = 64:  56, 52, 56, 52, all in the copy warpgroup's 24-register code (SASS: the STL /
-//            LDL sit after USETMAXREG.DEALLOC), a few per step, not in the math loop.
-//   H = 256: 20, 12, 20, 16: the copy warpgroup's, except one word that masked + softcap
-//            keeps across its math loop's products.
+//   H = 64:  56, 0, 56, 0, all in the copy warpgroup's 24-register code (SASS before the
+//            segment ids: the STL / LDL sat after USETMAXREG.DEALLOC), a few per step, not
+//            in the math loop. (Masked 52 before the segment ids; the reallocation took
+//            them out, not checked in SASS: no cuobjdump on the build machine.)
+//   H = 256: 20, 0, 20, 0: the copy warpgroup's (masked 12 / 16 before the segment ids).
 // Without the two `asm volatile` launderings in the math loop (below) the unmasked H = 128
 // kernels spilled 180 bytes: the compiler hoisted loop-invariant swizzled offsets and
 // descriptor k-steps out of the loop and could not keep them.
@@ -77,6 +91,7 @@
 #include <algorithm>
 #include <cmath>
 
+#include "attention/attention_copy.cuh"
 #include "attention/attention_launch.cuh"
 #include "attention/attention_logits.cuh"
 #include "attention/attention_mask.cuh"
@@ -125,7 +140,10 @@ struct WsBwdTraits {
   static constexpr int kDsOffset = kStageOffset + kStages * kStageBytes;
   static constexpr int kPOffset = kDsOffset + STile::kBytes;
   static constexpr int kStatsOffset = kPOffset + (kSplitQueries ? STile::kBytes : 0);
-  static constexpr int kBarrierOffset = kStatsOffset + kStages * 2 * kBlockM * 4;
+  // Segment ids: each slot's kBlockM query ids, then the key tile's kBlockN ids (kept
+  // apart from the slot bytes, which the step's dQ partial overwrites).
+  static constexpr int kSegOffset = kStatsOffset + kStages * 2 * kBlockM * 4;
+  static constexpr int kBarrierOffset = kSegOffset + (kStages * kBlockM + kBlockN) * 4;
   // Barriers: kv_full, full[s], empty[s], dq_full[s].
   static constexpr int kBarriers = 1 + 3 * kStages;
   static constexpr int kSmemBytes = kBarrierOffset + kBarriers * 8 + 1024;
@@ -153,6 +171,10 @@ struct BwdSmem {
     return reinterpret_cast<float*>(base + Tr::kStatsOffset) + s * 2 * Tr::kBlockM;
   }
   __device__ __forceinline__ float* delta(int s) const { return lse2(s) + Tr::kBlockM; }
+  __device__ __forceinline__ int32_t* q_seg(int s) const {
+    return reinterpret_cast<int32_t*>(base + Tr::kSegOffset) + s * Tr::kBlockM;
+  }
+  __device__ __forceinline__ int32_t* kv_seg() const { return q_seg(Tr::kStages); }
   __device__ __forceinline__ uint64_t* barrier(int i) const {
     return reinterpret_cast<uint64_t*>(base + Tr::kBarrierOffset) + i;
   }
@@ -170,11 +192,15 @@ struct BwdTile {
   Mask mask;
   int m_begin, m_end;  // 64-query tiles [m_begin, m_end)
   int steps;           // (m_end - m_begin) x the GQA group
+  // The ids are copied and compared: the maskable kernel, segment ids given, and the batch
+  // row not flagged as one segment (p.segment_uniform; then they mask nothing, whatever
+  // the position masks do).
+  bool segments;
 };
 
 // Key tiles fastest in the grid: the determinism argument (file comment) needs a key
 // tile's predecessors at lower block indices.
-template <typename Tr>
+template <typename Tr, bool kMaskable>
 __device__ __forceinline__ BwdTile MakeBwdTile(const AttentionParams& p) {
   BwdTile t;
   const int n_tiles = static_cast<int>((p.kv_len + Tr::kBlockN - 1) / Tr::kBlockN);
@@ -190,6 +216,8 @@ __device__ __forceinline__ BwdTile MakeBwdTile(const AttentionParams& p) {
   t.m_begin = walk.begin;
   t.m_end = walk.end;
   t.steps = (walk.end - walk.begin) * static_cast<int>(p.group);
+  t.segments = kMaskable && t.mask.q_seg != nullptr &&
+               !(p.segment_uniform != nullptr && RowMasksNothing(p, t.b));
   return t;
 }
 
@@ -290,7 +318,14 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
     const uint64_t pt_desc = SwizzledDescriptor(sm.pt(), 16, 1024);
     const uint64_t ds_desc = SwizzledDescriptor(sm.ds(), 16, 1024);
 
+    // Segment ids: the warp's 16 keys (their range reduced once: the key tile never
+    // changes) and, per step, the warpgroup's kQ queries of the slot.
+    const bool segments = kMaskable && tile.segments;
+    const int32_t* key_ids = sm.kv_seg() + warp_row;
+    SegmentRange keys_range{0, 0};
+
     MbarrierWait(sm.kv_full(), 0);
+    if (segments) keys_range = WarpSegmentRange(key_ids, 16, lane);
     StepCursor cur{tile.m_end - 1, 0};
     for (int s = 0; s < tile.steps; ++s, cur.Next(static_cast<int>(p.group))) {
       const int st = s % kS;
@@ -314,18 +349,27 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
       ProductSS<T, kQ, kD, KVTile::kBlockBytes, QTile::kBlockBytes>(
           dp[0], v_desc, SwizzledDescriptor(sdo + qoff * 128, 16, 1024), false);
       Commit();
+      // The step's query ids (in the slot since its full barrier), reduced under the
+      // products: the same in the warpgroup's 4 warps.
+      const int32_t* query_ids = sm.q_seg(st) + qoff;
+      SegmentRange queries_range{0, 0};
+      if (segments) queries_range = WarpSegmentRange(query_ids, kQ, lane);
       Wait<0>();
       KeepOrder(sc[0]);
       KeepOrder(dp[0]);
 
       // Rows are keys, columns queries (kTransposed), as in dkv_sm90. Queries past T need
-      // no mask: their lse2 is +inf (p = 0) and their Q, dO rows are zero-filled.
+      // no mask: their lse2 is +inf (p = 0) and their Q, dO rows are zero-filled. A step
+      // whose ids are disjoint from the warp's keys (tm.skip) is computed anyway, masked
+      // whole (p = dS = 0): its products are warpgroup-wide (a branch around them that
+      // differed between the 4 warps would serialize wgmma), and the dQ writer adds its
+      // (zero) partial in turn, so the deterministic order stays that of the tile walk.
       const int q_first = m0 + qoff;
-      const TileMasking tm =
-          DecideMasking<kMaskable>(mask, false, q_first, min(q_first + kQ, mask.q_len) - 1,
-                                   warp_key0, warp_key0 + 15, nullptr, 0, nullptr, 0, lane);
-      ToLogits<true, kQ, kSoftcap>(sc[0], ls, mask, tm.masked, warp_key0, q_first, nullptr, nullptr,
-                                   lane);
+      const TileMasking tm = DecideMaskingInRanges<kMaskable>(
+          mask, segments, q_first, min(q_first + kQ, mask.q_len) - 1, warp_key0, warp_key0 + 15,
+          key_ids, keys_range, query_ids, queries_range);
+      ToLogits<true, kQ, kSoftcap>(sc[0], ls, mask, tm.masked, warp_key0, q_first, tm.row_seg,
+                                   tm.col_seg, lane);
       const float* lse2 = sm.lse2(st) + qoff;
       const float* delta = sm.delta(st) + qoff;
 #pragma unroll
@@ -402,15 +446,43 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
                             keys, dkv_col0, dim, lane);
 }
 
-// The copy warp (all 32 lanes): K and V, then each step's Q, dO, lse2 and delta into its
-// slot once the writer has freed it. full(s) takes 32 arrivals: lane 0's carries the TMA
-// bytes, each lane's publishes its own lse2 / delta stores.
+// Segment ids ids[first, first + n) into dst by the copy warp's 32 lanes (cp.async, reads
+// clamped to the sequence as LoadRowWordsAsync's: a repeated last id cannot widen a
+// range, and positions past the sequence are masked or carry p = 0 anyway), their
+// completion tracked on `bar`. Without .noinc each lane's cp.async.mbarrier.arrive raises
+// the barrier's pending count by one and the copies' completion takes it back, so the
+// count the barrier was initialized with stays (kv_full: 1, full(s): 32). The __syncwarp
+// puts every lane's raise before any arrival of the warp that could complete the phase
+// (lane 0's arrive.expect_tx on kv_full; on full(s) each lane's own arrival comes after
+// its raise anyway).
+__device__ __forceinline__ void CopyIdsAsync(int32_t* dst, const int32_t* ids, int first, int len,
+                                             int n, uint64_t* bar, int lane) {
+#if JAXGPU_WGMMA_DEVICE
+  for (int i = lane; i < n; i += 32) {
+    asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(SmemAddress(dst + i)),
+                 "l"(ids + min(first + i, len - 1))
+                 : "memory");
+  }
+  asm volatile("cp.async.mbarrier.arrive.shared::cta.b64 [%0];\n" ::"r"(SmemAddress(bar))
+               : "memory");
+  __syncwarp();
+#endif
+}
+
+// The copy warp (all 32 lanes): K and V (with the key tile's segment ids), then each step's
+// Q, dO, lse2 and delta (and query segment ids) into its slot once the writer has freed
+// it. full(s) takes 32 arrivals: lane 0's carries the TMA bytes, each lane's publishes its
+// own lse2 / delta stores.
 template <typename Tr>
 __device__ __forceinline__ void CopyWarp(const AttentionParams& p, const BwdMaps& maps,
                                          const BwdSmem<Tr>& sm, const BwdTile& tile) {
   constexpr int kM = Tr::kBlockM, kS = Tr::kStages, kD = Tr::kHeadDim;
   const int lane = threadIdx.x & 31;
   if (tile.steps == 0) return;
+  if (tile.segments) {
+    CopyIdsAsync(sm.kv_seg(), tile.mask.kv_seg, tile.n0, tile.mask.kv_len, Tr::kBlockN,
+                 sm.kv_full(), lane);
+  }
   if (lane == 0) {
     MbarrierArriveExpectTx(sm.kv_full(), 2 * Tr::KVTile::kBytes);
     TmaLoadBoxes<Tr::kBlockN, kD>(sm.k(), &maps.k, sm.kv_full(), tile.kh, tile.n0, tile.b);
@@ -424,6 +496,9 @@ __device__ __forceinline__ void CopyWarp(const AttentionParams& p, const BwdMaps
     const int m0 = cur.m * kM;
     const int qh = tile.kh * group + cur.r;
     const int64_t stats = (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * p.q_len;
+    if (tile.segments) {
+      CopyIdsAsync(sm.q_seg(st), tile.mask.q_seg, m0, tile.mask.q_len, kM, sm.full(st), lane);
+    }
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int i = lane + 32 * h;
@@ -507,7 +582,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
   }
   __syncthreads();  // the last CTA-wide barrier: the roles split below
 
-  const BwdTile tile = MakeBwdTile<Tr>(p);
+  const BwdTile tile = MakeBwdTile<Tr, kMaskable>(p);
   const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
   if (group == 2) {
     ReleaseRegisters<Tr::kCopyRegisters>();
@@ -542,8 +617,9 @@ __global__ void __launch_bounds__(256)
 
 const char* WarpSpecializedBwdUnavailable(const AttentionParams& p) {
   if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) return "16-bit q, k, v only";
-  if (HasExtras(p) || p.q_segment_ids != nullptr) {
-    return "segment ids, sequence lengths, bias and mask stay on the part-1 backward";
+  if (HasExtras(p)) return "sequence lengths, bias and mask stay on the part-1 backward";
+  if ((p.q_segment_ids == nullptr) != (p.kv_segment_ids == nullptr)) {
+    return "segment ids on both sides or neither";
   }
   const int padded = PaddedHeadDim(p.head_dim);
   if (padded != 64 && padded != 128 && padded != 256) {
