@@ -290,8 +290,9 @@ def test_handler_path_is_optional():
     ({a: v for a, v in _ATTRS.items() if a != "scale"}, "attribute scale"),
     (dict(_ATTRS, causal=np.int32(1)), "attribute causal"),
     (dict(_ATTRS, has_bias=np.int32(1)), "attribute has_bias"),
+    (dict(_ATTRS, deterministic=np.int32(0)), "attribute deterministic"),
 ], ids=["path-3", "path-negative", "path-int64", "path-forced", "unknown-name", "missing-scale",
-        "causal-type", "has-bias-type"])
+        "causal-type", "has-bias-type", "deterministic-type"])
 def test_handler_checks_the_attributes(attrs, match):
   _needs_cpu()
   q, k, v = _small_inputs(dtype=jnp.float32)
@@ -326,3 +327,45 @@ def test_fused_backward_workspaces_only_where_it_can_run(monkeypatch):
   assert not fused(replace(base, path=attention_op._PATHS["mma_sync"]), 128, bf16)
   monkeypatch.setattr(attention_op, "_hopper_present", lambda: False)
   assert not fused(base, 128, bf16)
+
+
+def test_handler_deterministic_is_optional():
+  """deterministic = True is the same call as no attribute at all, and False changes nothing
+  on the CPU kernels (their sums have one order)."""
+  _needs_cpu()
+  q, k, v = _small_inputs(dtype=jnp.float32)
+  q5 = q.reshape(1, 5, 2, 2, 16)
+  with jax.default_device(jax.devices("cpu")[0]):
+    without = _raw_cpu_fwd(q5, k, v, **_ATTRS)
+    for flag in (True, False):
+      got = _raw_cpu_fwd(q5, k, v, **_ATTRS, deterministic=flag)
+      for a, b in zip(without, got):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_deterministic_must_be_static_bool():
+  q, k, v = _small_inputs(dtype=jnp.float32)
+  with pytest.raises(TypeError, match="deterministic must be a static bool"):
+    jaxgpu.dot_product_attention(q, k, v, deterministic=1)
+
+
+@pytest.mark.gpu
+def test_nondeterministic_backward_matches_float64(rng):
+  """deterministic=False on the fused Hopper backward: o and the gradients against the
+  float64 oracle under the same rule as the default's (only dQ's float32 add order
+  differs), and dk, dv bitwise equal to the default's."""
+  for opts in (ta.Opts(), ta.Opts(causal=True), ta.Opts(window=(70, 9), softcap=3.0)):
+    case = ta.Case(2, 333, 333, 4, 2, 128, jnp.bfloat16, opts)
+    q, k, v = ta.make_qkv(rng, case)
+    do = oracle.randn(rng, case.q_shape, case.dtype)
+    grads = {}
+    for flag in (True, False):
+      def fn(q, k, v, flag=flag):
+        return jaxgpu.dot_product_attention(q, k, v, implementation="cuda",
+                                            deterministic=flag, **case.opts.kw())
+      grads[flag] = jax.jit(jax.grad(lambda q, k, v, fn=fn: ta.loss(fn, q, k, v, (), do),
+                                     argnums=(0, 1, 2)))(q, k, v)
+    o = jax.jit(fn)(q, k, v)
+    ta.check_all(case, "cuda", q, k, v, (), do, o, grads[False], what="deterministic=False ")
+    for a, b in zip(grads[True][1:], grads[False][1:]):
+      np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))

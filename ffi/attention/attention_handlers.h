@@ -16,13 +16,16 @@
 //        rets  dq (q's shape), dk, dv (k's shape), delta f32 (B, K, R, T) (workspace),
 //              dbias f32 (bias's shape) | (0): empty without a bias or with has_dbias false,
 //              dq_accum f32 (q's shape) | (0), dq_semaphores s32 (B, K, R, T) | (0): the
-//              fused Hopper backward's workspaces (both or neither; empty: the dQ and
-//              dK/dV kernels run; the CPU handler ignores them)
+//              fused Hopper backward's workspaces (the semaphores with dq_accum, and
+//              optional when deterministic is false; empty: the dQ and dK/dV kernels run;
+//              the CPU handler ignores them)
 //   attrs (both) scale f32 (finite, > 0), softcap f32 (0 = none, else > 0), causal bool,
 //        window_left i64, window_right i64 (-1 = unbounded, else >= 0), has_segments bool,
 //        and optionally path s32 (attention_path.h: 0 = auto when absent; the CPU handlers
 //        take auto only, the CUDA ones refuse a main loop that cannot run the call),
-//        has_bias, has_mask, has_lengths, has_dbias bool (false when absent)
+//        has_bias, has_mask, has_lengths, has_dbias bool (false when absent), deterministic
+//        bool (true when absent; false lets the fused Hopper backward add dQ's partial sums
+//        in any order)
 #pragma once
 
 #include <cmath>
@@ -90,6 +93,7 @@ struct AttentionAttrs {
   bool has_mask = false;
   bool has_lengths = false;
   bool has_dbias = false;
+  bool deterministic = true;
 };
 
 template <typename T>
@@ -134,10 +138,15 @@ inline ffi::Error AttentionAttrsFrom(const ffi::Dictionary& attrs, AttentionAttr
       ++expected;
     }
   }
+  a->deterministic = true;
+  if (attrs.contains("deterministic")) {
+    JAXGPU_RETURN_IF_ERROR(GetAttr(attrs, "deterministic", &a->deterministic));
+    ++expected;
+  }
   if (attrs.size() != expected) {
     return ffi::Error::InvalidArgument(
         "attributes: expected scale, softcap, causal, window_left, window_right, has_segments "
-        "and optionally path, has_bias, has_mask, has_lengths, has_dbias, got " +
+        "and optionally path, has_bias, has_mask, has_lengths, has_dbias, deterministic, got " +
         std::to_string(attrs.size()) + " attributes");
   }
   if (a->has_dbias && !a->has_bias) {
@@ -365,13 +374,19 @@ inline ffi::Error MakeAttentionBwdParams(
   p->dk = dk->untyped_data();
   p->dv = dv->untyped_data();
   p->delta = static_cast<float*>(delta->untyped_data());
-  if (dq_accum->element_count() != 0 || dq_semaphores->element_count() != 0) {
+  p->dq_unordered = !a.deterministic;
+  if (dq_accum->element_count() != 0) {
     JAXGPU_RETURN_IF_ERROR(CheckQueryShaped(*dq_accum, *p, ffi::DataType::F32, "dq_accum"));
-    JAXGPU_RETURN_IF_ERROR(
-        CheckBuffer(dq_semaphores, ffi::DataType::S32, AttentionRowStatCount(*p), "dq_semaphores"));
     p->dq_accum = static_cast<float*>(dq_accum->untyped_data());
-    p->dq_semaphores = static_cast<int32_t*>(dq_semaphores->untyped_data());
-    p->dq_semaphore_count = static_cast<int64_t>(dq_semaphores->element_count());
+    // The semaphores order the adds: optional without that order.
+    if (a.deterministic || dq_semaphores->element_count() != 0) {
+      JAXGPU_RETURN_IF_ERROR(CheckBuffer(dq_semaphores, ffi::DataType::S32,
+                                         AttentionRowStatCount(*p), "dq_semaphores"));
+      p->dq_semaphores = static_cast<int32_t*>(dq_semaphores->untyped_data());
+      p->dq_semaphore_count = static_cast<int64_t>(dq_semaphores->element_count());
+    }
+  } else if (dq_semaphores->element_count() != 0) {
+    return ffi::Error::InvalidArgument("dq_semaphores: must be empty without dq_accum");
   }
   return ffi::Error::Success();
 }

@@ -87,6 +87,9 @@ struct AttentionParams {
   float* dq_accum;
   int32_t* dq_semaphores;
   int64_t dq_semaphore_count;
+  // The fused backward adds dQ's partial sums in whatever order its CTAs finish (float32
+  // adds: not bitwise reproducible), without the semaphores' waits. false: a fixed order.
+  bool dq_unordered;
 };
 
 // Elements of a bias- or mask-shaped array with these strides (a dim of stride 0 has size 1).

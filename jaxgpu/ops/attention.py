@@ -169,6 +169,7 @@ class _Config:
   bias: str | None = None      # the bias's factor string (_broadcast_factors), None: none
   mask: str | None = None      # the mask's
   has_lengths: bool = False
+  deterministic: bool = True   # the backward's attribute (dQ's adds in a fixed order)
 
   def target(self, pass_: str) -> str:
     return DOT_PRODUCT_ATTENTION.target(pass_, self.implementation)
@@ -294,10 +295,10 @@ def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs, extras, want_dbias: bool)
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
            jax.ShapeDtypeStruct(dbias, jnp.float32),
            jax.ShapeDtypeStruct(q.shape if fused else (0,), jnp.float32),
-           jax.ShapeDtypeStruct(lse.shape if fused else (0,), jnp.int32))
+           jax.ShapeDtypeStruct(lse.shape if fused and cfg.deterministic else (0,), jnp.int32))
     outs = jax.ffi.ffi_call(cfg.target("bwd"), out)(
         q, k, v, o, lse, do, *_bwd_segments(cfg, rest[:n_seg]), *extras, **cfg.attrs(),
-        has_dbias=want_dbias)
+        has_dbias=want_dbias, deterministic=cfg.deterministic)
     return tuple(outs[:5]) if want_dbias else tuple(outs[:4])  # the workspaces dropped
 
   outs = grouped_call(local_fn, layout, q, k, v, o, lse, do, *segs, *extras)
@@ -570,7 +571,8 @@ def _kernel_extras(query, key, bias, mask, lengths):
 def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None,
                           is_causal=False, query_seq_lengths=None, key_value_seq_lengths=None,
                           local_window_size=None, implementation=None, return_residual=False,
-                          logit_softcap=None, q_segment_ids=None, kv_segment_ids=None):
+                          logit_softcap=None, q_segment_ids=None, kv_segment_ids=None,
+                          deterministic=True):
   """Scaled dot-product attention, fused (FlashAttention-style): a drop-in for
   jax.nn.dot_product_attention (its whole signature and semantics; differences below).
 
@@ -610,6 +612,11 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     q_segment_ids, kv_segment_ids: (B, T) and (B, S) ((T,) and (S,) with rank-3 inputs)
       integer ids (converted to int32), both or neither: query i sees key j only when their
       ids are equal (packed sequences).
+    deterministic: static bool. True (the default): the gradients are bitwise reproducible
+      (every sum in a fixed order). False lets the fused Hopper backward (no segment ids,
+      bias, mask or lengths) add each key tile's float32 dQ partial sums in the order the
+      tiles finish, without waiting for its turn: dq may differ in its last bits from run
+      to run; dk, dv and the forward are unchanged. Elsewhere it changes nothing.
 
   Returns:
     query's shape, in query's dtype. Every option combines with the others and with GQA.
@@ -659,7 +666,8 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   the bias and mask sharded along with them (their broadcast dims are never sharded; see
   the module docstring for T, S and H). Forward mode (jax.jvp) and second derivatives
   run the reference. The backward is deterministic except dbias where the bias broadcasts over
-  some dim on the CUDA kernels (float32 atomic adds; the CPU kernel adds in a fixed order).
+  some dim on the CUDA kernels (float32 atomic adds; the CPU kernel adds in a fixed order),
+  and dq with deterministic=False.
   """
   op = "dot_product_attention"
   if implementation == "cudnn":
@@ -669,17 +677,19 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
   if return_residual is not False:
     raise ValueError(f"{op}: return_residual=True (jax.nn's log-sum-exp output) is not "
                      "supported; pass False")
+  if not isinstance(deterministic, bool):
+    raise TypeError(f"{op}: deterministic must be a static bool, got {deterministic!r}")
   (query, key, value, bias, mask, scale, is_causal, window, softcap, segs, lengths,
    unbatched) = _check(op, query, key, value, bias, mask, scale, is_causal, local_window_size,
                        logit_softcap, q_segment_ids, kv_segment_ids, query_seq_lengths,
                        key_value_seq_lengths)
   out = _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softcap, segs,
-                  lengths, implementation)
+                  lengths, implementation, deterministic)
   return out[0] if unbatched else out
 
 
 def _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softcap, segs,
-              lengths, implementation):
+              lengths, implementation, deterministic=True):
   impl = _autodiff.route(_implementation.resolve(implementation), query, key, value, bias)
   if jnp.dtype(query.dtype) not in _CUDA_DTYPES:
     if implementation == "cuda":
@@ -717,7 +727,7 @@ def _dispatch(op, query, key, value, bias, mask, scale, is_causal, window, softc
                 primal_types=primal_types(q5, key, value,
                                           extras[0] if bias_layout is not None else None),
                 path=_PATHS[_forced_path.get()], bias=bias_layout, mask=mask_layout,
-                has_lengths=has_lengths)
+                has_lengths=has_lengths, deterministic=deterministic)
   o = _merge_heads(_attention(cfg, q5, key, value, segs if segs[0] is not None else (), extras),
                    query)
   return o[..., :h] if pad else o

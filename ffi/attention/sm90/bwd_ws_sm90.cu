@@ -701,14 +701,17 @@ cudaError_t LaunchBwdWarpSpecialized(const AttentionParams& p, float* dq_accum, 
 }
 
 cudaError_t LaunchFusedBwd(const AttentionParams& p, cudaStream_t stream) {
-  if (p.dq_accum == nullptr || p.dq_semaphores == nullptr ||
-      WarpSpecializedBwdUnavailable(p) != nullptr ||
-      static_cast<size_t>(p.dq_semaphore_count) * 4 < BwdSemaphoreBytes(p)) {
+  const bool ordered = !p.dq_unordered;
+  if (p.dq_accum == nullptr || WarpSpecializedBwdUnavailable(p) != nullptr ||
+      (ordered && (p.dq_semaphores == nullptr ||
+                   static_cast<size_t>(p.dq_semaphore_count) * 4 < BwdSemaphoreBytes(p)))) {
     return cudaErrorNotSupported;
   }
   JAXGPU_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.dq_accum, 0, BwdDqAccumBytes(p), stream));
-  JAXGPU_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.dq_semaphores, 0, BwdSemaphoreBytes(p), stream));
-  return LaunchBwdWarpSpecialized(p, p.dq_accum, p.dq_semaphores, stream, /*deterministic=*/true);
+  if (ordered) {
+    JAXGPU_RETURN_IF_CUDA_ERROR(cudaMemsetAsync(p.dq_semaphores, 0, BwdSemaphoreBytes(p), stream));
+  }
+  return LaunchBwdWarpSpecialized(p, p.dq_accum, p.dq_semaphores, stream, ordered);
 }
 
 }  // namespace jaxgpu::cuda::attention::sm90
