@@ -80,16 +80,18 @@ struct QueryTile {
   int m_block;
 };
 
+// group_heads: the kGrouped decode's heads a group (GroupHeads(p) unless the caller's
+// schedule chose another, as fwd_ws_sm90's dynamic grid does).
 template <bool kGrouped, typename Flat>
 __device__ __forceinline__ QueryTile DecodeQueryTileAt(const AttentionParams& p, int block_m,
-                                                       Flat flat) {
+                                                       Flat flat, int group_heads = 0) {
   const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
   QueryTile q;
   int64_t head;
   if constexpr (kGrouped) {
     const HeadAndRank hr =
         DecodeGroupedTile(static_cast<int>(flat), static_cast<int>(p.batch * p.kv_heads * p.group),
-                          m_blocks, GroupHeads(p));
+                          m_blocks, group_heads > 0 ? group_heads : GroupHeads(p));
     head = hr.head;
     q.m_block = m_blocks - 1 - hr.rank;
   } else {

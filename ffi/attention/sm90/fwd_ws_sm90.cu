@@ -30,6 +30,8 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdint>
+#include <type_traits>
 
 #include "attention/attention_copy.cuh"
 #include "attention/attention_launch.cuh"
@@ -72,7 +74,14 @@ struct WsFwdTraits {
   static constexpr int kBarriers = 2 + 4 * kStages;
   // Segment ids: Q's kBlockM words, then kStages x kBlockN words of the K ring's slots.
   static constexpr int kSegOffset = kBarrierOffset + kBarriers * 8;
-  static constexpr int kSmemBytes = kSegOffset + (kBlockM + kStages * kBlockN) * 4 + 1024;
+  // The dynamic grid's ring of tile indices (copy warp -> math warpgroups): its barriers
+  // tile_full[j], tile_empty[j], then its slots. Two slots, so that the copy warp can publish
+  // a tile with an empty walk and go on to the next before the math warpgroups read the one
+  // before.
+  static constexpr int kTileSlots = 2;
+  static constexpr int kTileOffset = kSegOffset + (kBlockM + kStages * kBlockN) * 4;
+  static_assert(kTileOffset % 8 == 0, "barrier alignment");
+  static constexpr int kSmemBytes = kTileOffset + kTileSlots * (2 * 8 + 4) + 1024;
   static_assert(kSmemBytes <= kMaxSmemBytes, "shared memory");
 };
 
@@ -105,6 +114,15 @@ struct WsSmem {
     return barrier(1 + 3 * Tr::kStages + s);
   }
   __device__ __forceinline__ uint64_t* q_empty() const { return barrier(1 + 4 * Tr::kStages); }
+  __device__ __forceinline__ uint64_t* tile_full(int j) const {
+    return reinterpret_cast<uint64_t*>(base + Tr::kTileOffset) + j;
+  }
+  __device__ __forceinline__ uint64_t* tile_empty(int j) const {
+    return tile_full(Tr::kTileSlots + j);
+  }
+  __device__ __forceinline__ int* tile_slot(int j) const {
+    return reinterpret_cast<int*>(tile_full(2 * Tr::kTileSlots)) + j;
+  }
   __device__ __forceinline__ int32_t* q_seg() const {
     return reinterpret_cast<int32_t*>(base + Tr::kSegOffset);
   }
@@ -287,16 +305,31 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
                             lane);
 }
 
-// kPersistent: one CTA an SM walks the flat tiles blockIdx.x, + gridDim.x, ... (the
-// FlatGrid order: longest causal tiles first), its rings and barriers going on from tile to
-// tile; otherwise one CTA a tile.
+// How a kernel's CTAs walk the flat tiles (the FlatGrid order of DecodeQueryTileAt: the
+// longest causal tiles first within a group of heads).
+// kPerTile: one CTA a tile; the hardware hands out CTAs in index order as SMs free up.
+// kStride: one CTA an SM walks tiles blockIdx.x, + gridDim.x, ... Its rings go on from tile
+//   to tile (no CTA start, the next tile's loads under this one's epilogue), but each CTA's
+//   share is fixed in advance: causal tiles, unequal, leave the shares unequal (T 4k: 389
+//   against 559 TFLOP/s one CTA a tile).
+// kDynamic: one CTA an SM takes tile blockIdx.x, then draws each next one from a counter in
+//   global memory: greedy list scheduling, which starts a tile wherever an SM runs out of
+//   work, so the only imbalance left is the tail, the tiles drawn last; the order makes
+//   those the shortest (DynamicGroupHeads).
+enum class WsGrid { kPerTile, kStride, kDynamic };
+
+// The kernel over `tiles` flat tiles. kDynamic: tile_counter holds 0 at the start (the
+// caller's kWsFwdWorkspaceBytes) and group_heads is the order's heads a group.
 template <typename T, typename Tr, bool kMaskable, bool kSoftcap, bool kBounded, bool kPingPong,
-          bool kPersistent>
+          WsGrid kGrid>
 __global__ void __launch_bounds__(Tr::kThreads, 1)
     AttentionFwdWsKernel(const AttentionParams p, const LogitScale ls,
-                         const __grid_constant__ TensorMaps maps, int tiles) {
+                         const __grid_constant__ TensorMaps maps, int tiles, int* tile_counter,
+                         int group_heads) {
 #if JAXGPU_WGMMA_DEVICE
   constexpr int kD = Tr::kHeadDim, kM = Tr::kBlockM, kN = Tr::kBlockN, kS = Tr::kStages;
+  constexpr int kJ = Tr::kTileSlots;
+  constexpr bool kDynamic = kGrid == WsGrid::kDynamic;
   extern __shared__ __align__(1024) unsigned char smem_raw[];
   const WsSmem<Tr> sm{sm90::SwizzleAligned(smem_raw)};
 
@@ -309,11 +342,23 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       MbarrierInit(sm.k_empty(s), Tr::kMathThreads);
       MbarrierInit(sm.v_empty(s), Tr::kMathThreads);
     }
+    if constexpr (kDynamic) {
+      for (int j = 0; j < kJ; ++j) {
+        MbarrierInit(sm.tile_full(j), 1);
+        MbarrierInit(sm.tile_empty(j), Tr::kMathThreads);
+      }
+    }
     FenceBarrierInit();
   }
   __syncthreads();  // the last CTA-wide barrier: the roles split below
 
-  const int stride = kPersistent ? static_cast<int>(gridDim.x) : tiles;
+  const int stride = kGrid == WsGrid::kPerTile ? tiles : static_cast<int>(gridDim.x);
+  // The dynamic grid's order groups group_heads heads; the others keep GroupHeads(p)'s (0),
+  // as every FlatGrid kernel.
+  auto rows_of = [&](int flat) {
+    return sm90::MakeQueryRowsOf<kM, kN, kMaskable>(
+        p, DecodeQueryTileAt<kMaskable>(p, kM, flat, kDynamic ? group_heads : 0));
+  };
   const int group = __shfl_sync(0xffffffffu, static_cast<int>(threadIdx.x >> 7), 0);
   RingUse used;
   if (group == 2) {
@@ -322,11 +367,18 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
     if (threadIdx.x / 32 != Tr::kMathThreads / 32) return;
     const bool issuer = threadIdx.x == Tr::kMathThreads;
     const int lane = threadIdx.x & 31;
-    for (int flat = blockIdx.x; flat < tiles; flat += stride) {
-      const sm90::QueryRows rows =
-          sm90::MakeQueryRowsOf<kM, kN, kMaskable>(p, DecodeQueryTileAt<kMaskable>(p, kM, flat));
+    // Every copy of tile `flat` (none where its walk is empty). `ahead` runs once, at the
+    // start of the tile's last K/V step (at once where it has none): the dynamic grid draws
+    // its next tile there, late enough that a CTA does not hold a tile it cannot start soon
+    // (the draw order is the balance), early enough that the atomic's round trip passes
+    // under that step's waits for free slots (the copy warp runs a ring ahead of the math).
+    auto copy_tile = [&](int flat, auto&& ahead) {
+      const sm90::QueryRows rows = rows_of(flat);
       const int n_begin = rows.walk.begin, n_end = rows.walk.end;
-      if (n_begin >= n_end) continue;
+      if (n_begin >= n_end) {
+        ahead();
+        return;
+      }
       const int b = static_cast<int>(rows.tile.b);
       const int kh = static_cast<int>(rows.tile.kh);
       const int qh = static_cast<int>(rows.tile.kh * p.group + rows.tile.r);
@@ -335,6 +387,7 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       // Q goes out after the tile's first K (its slot frees only when every product of the
       // previous tile is done; the first K may be on its way before that).
       for (int nb = n_begin; nb < n_end; ++nb) {
+        if (nb == n_end - 1) ahead();
         const int g = used.kv + nb - n_begin;
         const int s = g % kS;
         const uint32_t reuse = (g / kS) & 1;
@@ -357,13 +410,58 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
       }
       used.kv += n_end - n_begin;
       used.q += 1;
+    };
+    if constexpr (kDynamic) {
+      // Tile k's index goes to the math warpgroups through slot k % kJ: the issuer writes
+      // it and tile_full's one arrival publishes it (mbarrier.arrive releases the thread's
+      // earlier shared-memory writes, the waiters' try_wait acquires them); tile_empty's
+      // kMathThreads arrivals, each after that thread's read, hand the slot back. The index
+      // goes out after the previous tile's last copy was issued and before this tile's
+      // first, so the math warpgroups know it when they finish the previous tile, well
+      // before its Q arrives (which waits for that). The last index is the sentinel `tiles`.
+      int flat = static_cast<int>(blockIdx.x);
+      for (int k = 0;; ++k) {
+        if (issuer) {
+          const int j = k % kJ;
+          if (k >= kJ) MbarrierWait(sm.tile_empty(j), ((k / kJ) & 1) ^ 1);
+          *sm.tile_slot(j) = flat;
+          MbarrierArrive(sm.tile_full(j));
+        }
+        if (flat >= tiles) break;
+        int drawn = 0;
+        copy_tile(flat, [&] {
+          if (issuer) drawn = atomicAdd(tile_counter, 1);
+        });
+        // Draw d is tile gridDim.x + d; each CTA draws until it gets none, so the draws
+        // number (tiles - gridDim.x) + gridDim.x = tiles (gridDim.x <= tiles, the host's
+        // grid) and the one that drew tiles - 1 drew last: no CTA touches the counter after
+        // it, and it leaves the counter 0 for the next call on the stream.
+        if (issuer && drawn == tiles - 1) atomicExch(tile_counter, 0);
+        const int grid = static_cast<int>(gridDim.x);
+        flat = __shfl_sync(0xffffffffu, drawn >= tiles - grid ? tiles : grid + drawn, 0);
+      }
+    } else {
+      for (int flat = blockIdx.x; flat < tiles; flat += stride) copy_tile(flat, [] {});
     }
   } else {
     ClaimRegisters<Tr::kMathRegisters>();
-    for (int flat = blockIdx.x; flat < tiles; flat += stride) {
-      const sm90::QueryRows rows =
-          sm90::MakeQueryRowsOf<kM, kN, kMaskable>(p, DecodeQueryTileAt<kMaskable>(p, kM, flat));
-      MathWarpgroups<T, Tr, kMaskable, kSoftcap, kBounded, kPingPong>(p, ls, rows, sm, used);
+    if constexpr (kDynamic) {
+      for (int k = 0;; ++k) {
+        const int j = k % kJ;
+        MbarrierWait(sm.tile_full(j), (k / kJ) & 1);
+        // Through a shuffle, as MakeQueryRowsOf's warpgroup: ptxas then knows the tile
+        // warp-uniform (wgmma under a branch it takes for divergent is serialized, C7518).
+        const int flat = __shfl_sync(0xffffffffu, *sm.tile_slot(j), 0);
+        MbarrierArrive(sm.tile_empty(j));
+        if (flat >= tiles) break;
+        MathWarpgroups<T, Tr, kMaskable, kSoftcap, kBounded, kPingPong>(p, ls, rows_of(flat), sm,
+                                                                        used);
+      }
+    } else {
+      for (int flat = blockIdx.x; flat < tiles; flat += stride) {
+        MathWarpgroups<T, Tr, kMaskable, kSoftcap, kBounded, kPingPong>(p, ls, rows_of(flat), sm,
+                                                                        used);
+      }
     }
   }
 #endif
@@ -390,15 +488,60 @@ WsFwdSchedule DefaultWsFwdSchedule(const AttentionParams& p) {
   return s;
 }
 
+// The dynamic grid's tile order: heads in groups, within a group the longest tiles first,
+// the group's heads taking turns (DecodeGroupedTile), the groups one after another. Why
+// this order, for balance and for L2:
+// - Balance. A CTA draws a tile when it runs short of work, so every SM stays busy until
+//   the counter runs out; what is left is the tail, the remainder of the last tiles drawn.
+//   Those are the last group's shortest (one or two key tiles). The last group's longest
+//   tiles are drawn when the counter enters it, while the SMs are still busy with the
+//   previous group's short ones; they end in time when the group's work spread over the
+//   SMs is at least about one long tile. A list-scheduling model (132 SMs, a tile costing its
+//   key tiles + 0.3, the draw 1.5 key tiles ahead) gives the makespan over the ideal, by
+//   heads a group: T 4k (H 128, B 4, N 16, 32 tiles a head) 1.068 / 1.054 / 1.001 / 1.001 /
+//   1.008 for 1 / 2 / 4 / 8 / 16; T 16k (N 16) 1.008 / 1.002 at 1 / 2; T 1k (B 16, N 16,
+//   8 tiles a head) 1.068 / 1.049 / 1.018 / 1.004 at 1 / 8 / 32 / 64. (The fixed stride:
+//   1.52 at T 4k with 4 heads a group, the 389 TFLOP/s measured.) Global longest-first, all
+//   heads one group, would balance best.
+// - L2. A tile reads its head's K/V from key 0 up to its diagonal, the same blocks as every
+//   other tile of that head, so the heads in flight share through L2 if their K/V fit: at
+//   132 SMs the tiles in flight are the current group's and the short tail of the previous
+//   one (short: a small prefix of its K/V), about one group's K/V. All heads in one group
+//   would read every head's K/V at once (T 4k, H 128: 64 heads x 2 MB) from HBM: a key
+//   tile is ~128 flop a byte of K/V, so 700 TFLOP/s would need 5.5 TB/s; the H100 has 3.35.
+// So as many kv heads a group as keep its K and V within 16 MB (a third of the 50 MB L2,
+// leaving room for the previous group's prefix, Q and O streaming through, and for the two
+// L2 halves), whole GQA groups of query heads. That gives T 4k, H 128: 8 heads (16 MB);
+// T 16k: 2; T 1k, H 64: 64 (the 8 MB cap of GroupHeads, which the one-CTA-a-tile grid keeps,
+// gives 4 at T 4k and 8 at T 1k: 1.049 above); GQA 32/8 at T 4k: 8 kv heads, 32 query heads.
+// Without the causal mask (tiles alike, or windows alike but at the sequence's ends) one head
+// a group: each head's tiles run together. WsFwdSchedule::group_heads overrides it (A/B).
+int DynamicGroupHeads(const AttentionParams& p) {
+  if (!p.causal) return 1;
+  const int64_t heads = p.batch * p.kv_heads * p.group;
+  const int64_t kv_bytes = std::max<int64_t>(4 * p.kv_len * p.head_dim, 1);  // K + V, 16-bit
+  const int64_t kv_heads = std::max<int64_t>((int64_t{16} << 20) / kv_bytes, 1);
+  return static_cast<int>(std::max<int64_t>(std::min(kv_heads * p.group, heads), 1));
+}
+
 cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedule& schedule,
-                                     cudaStream_t stream) {
+                                     cudaStream_t stream, void* workspace) {
   if (WarpSpecializedFwdUnavailable(p) != nullptr) return cudaErrorNotSupported;
   const bool masks = NeedsMask(p, WsBlockN(p));
+  const WsGrid mode = schedule.dynamic      ? WsGrid::kDynamic
+                      : schedule.persistent ? WsGrid::kStride
+                                            : WsGrid::kPerTile;
   // A product build compiles the default schedule only (each extra one doubles the file's
   // instances and CI's compile of it); a developer-knob build every one, for A/B runs.
-  if (!kDevKnobs && (schedule.ping_pong || schedule.persistent == masks)) {
+  if (!kDevKnobs && (schedule.ping_pong || mode != (masks ? WsGrid::kPerTile : WsGrid::kStride))) {
     return cudaErrorNotSupported;
   }
+  int* const tile_counter = static_cast<int*>(workspace);
+  if (mode == WsGrid::kDynamic &&
+      (tile_counter == nullptr || reinterpret_cast<uintptr_t>(workspace) % alignof(int) != 0)) {
+    return cudaErrorNotSupported;
+  }
+  const int group_heads = schedule.group_heads > 0 ? schedule.group_heads : DynamicGroupHeads(p);
   const int64_t n_heads = p.kv_heads * p.group;
   // The tensor maps of a traits' tile shapes.
   auto encode = [&](int rows_q, int rows_kv, TensorMaps* maps) {
@@ -417,20 +560,24 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
       TensorMaps maps;
       if (!encode(Tr::kBlockM, Tr::kBlockN, &maps)) return cudaErrorNotSupported;
       const int64_t tiles = p.batch * n_heads * CeilDiv(p.q_len, Tr::kBlockM);
-      // One schedule's kernel: its launch.
-      auto launch = [&](auto kernel, bool persistent) -> cudaError_t {
+      // One schedule's kernel: its launch. The persistent grids take one CTA an SM (the
+      // kernel's shared memory allows no second), at most `tiles`: the dynamic grid's
+      // counter relies on gridDim.x <= tiles.
+      auto launch = [&](auto kernel, WsGrid grid_mode) -> cudaError_t {
         JAXGPU_RETURN_IF_CUDA_ERROR(AllowSmem(kernel, Tr::kSmemBytes));
         dim3 grid;
         JAXGPU_RETURN_IF_CUDA_ERROR(FlatGrid(tiles, 1, &grid));
-        if (persistent) {
+        if (grid_mode != WsGrid::kPerTile) {
           int device = 0, sms = 0;
           JAXGPU_RETURN_IF_CUDA_ERROR(cudaGetDevice(&device));
           JAXGPU_RETURN_IF_CUDA_ERROR(
               cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device));
+          if (schedule.max_ctas > 0) sms = std::min(sms, schedule.max_ctas);
           grid.x = static_cast<unsigned>(std::min<int64_t>(tiles, sms));
         }
-        kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, ls, maps,
-                                                               static_cast<int>(tiles));
+        if (grid.x == 0) return cudaSuccess;  // no tiles (and the counter left as it was)
+        kernel<<<grid, Tr::kThreads, Tr::kSmemBytes, stream>>>(p, ls, maps, static_cast<int>(tiles),
+                                                               tile_counter, group_heads);
         return cudaGetLastError();
       };
       return JAXGPU_BOOL_SWITCH(p.softcap > 0.f, kSoftcap, [&] {
@@ -439,15 +586,24 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
             constexpr bool kB = kSoftcap && kBounded;
             if constexpr (kDevKnobs) {
               return JAXGPU_BOOL_SWITCH(schedule.ping_pong, kPingPong, [&] {
-                return JAXGPU_BOOL_SWITCH(schedule.persistent, kPersistent, [&] {
+                auto with = [&](auto grid_mode) {
+                  constexpr WsGrid kGrid = decltype(grid_mode)::value;
                   return launch(
-                      AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, kPingPong, kPersistent>,
-                      kPersistent);
-                });
+                      AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, kPingPong, kGrid>,
+                      kGrid);
+                };
+                switch (mode) {
+                  case WsGrid::kDynamic:
+                    return with(std::integral_constant<WsGrid, WsGrid::kDynamic>{});
+                  case WsGrid::kStride:
+                    return with(std::integral_constant<WsGrid, WsGrid::kStride>{});
+                  default: return with(std::integral_constant<WsGrid, WsGrid::kPerTile>{});
+                }
               });
             } else {
-              return launch(AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, false, !kMaskable>,
-                            !kMaskable);
+              constexpr WsGrid kGrid = kMaskable ? WsGrid::kPerTile : WsGrid::kStride;
+              return launch(AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, false, kGrid>,
+                            kGrid);
             }
           });
         });
