@@ -321,7 +321,13 @@ void Time(const Case& c) {
   std::sort(ms.begin(), ms.end());
   const double t = ms[ms.size() / 2] * 1e-3;
   const double flops = 4.0 * c.b * n * c.t * c.s * c.h * (c.causal ? 0.5 : 1.0);
-  std::printf("time %s: %.1f us, %.0f TFLOP/s\n", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
+  std::printf("time %s: %.1f us, %.0f TFLOP/s", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
+  if (g_dynamic) {  // the order's heads a group (a causal call's; otherwise 1)
+    std::printf(", %d heads a group", g_group_heads > 0
+                                          ? g_group_heads
+                                          : jaxgpu::cuda::attention::sm90::DynamicGroupHeads(p));
+  }
+  std::printf("\n");
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }
