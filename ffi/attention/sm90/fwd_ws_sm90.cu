@@ -27,7 +27,13 @@
 // Ping-pong gains nothing measurable: off. The persistent grid walks tiles in a fixed
 // stride, which balances uniform tiles (and saves the per-CTA start on short ones) but not
 // causal ones, whose costs differ by up to the number of key tiles: on for the unmasked
-// calls only (LaunchFwdWarpSpecialized's callers decide).
+// calls only (LaunchFwdWarpSpecialized's callers decide). The dynamic grid (WsGrid::kDynamic:
+// tiles drawn from a counter, longest first in groups of heads whose K/V fit L2) is the
+// candidate to serve every call; not yet run on a GPU.
+//
+// ptxas (CUDA 13.0, sm_90a): product build 36 instances, developer-knob build 216 (3 grids x
+// ping-pong x 36), no spills but 4 bytes in the 8 H 256 maskable ping-pong ones of the
+// one-CTA-a-tile and stride grids (as before the dynamic grid).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -566,8 +572,8 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
             [&] {
               if (issuer) MbarrierArrive(sm.draw_wanted());
             });
-        __syncwarp();
         k = t.k();
+        __syncwarp();  // every lane's reads of the record before lane 0 hands it back
         if (issuer) MbarrierArrive(sm.tile_empty(k % kJ));
       }
     } else {
