@@ -86,6 +86,7 @@ struct WsFwdTraits {
   // warpgroups): its barriers tile_full[j], tile_empty[j], draw_wanted, then its slots. Two
   // slots, so that tiles with an empty walk pass without a wait for the slowest reader.
   static constexpr int kTileSlots = 2;
+  static_assert(kTileSlots >= 2, "DrawTiles reads the previous tile's record in its slot");
   static constexpr int kTileOffset = kSegOffset + (kBlockM + kStages * kBlockN) * 4;
   static_assert(kTileOffset % 8 == 0, "barrier alignment");
   static constexpr int kTileRecordWords = 10;  // TileRecord
