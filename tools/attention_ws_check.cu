@@ -6,10 +6,20 @@
 //   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 [-DJAXGPU_DEV_KNOBS=1] \
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awc \
 //       tools/attention_ws_check.cu ffi/attention/sm90/fwd_ws_sm90.cu && /tmp/awc [--no-time]
-//       [--ping-pong] [--persistent | --no-persistent]
+//       [--ping-pong] [--persistent | --no-persistent | --dynamic] [--group-heads N]
 //
 // Without a flag each call runs the default schedule (DefaultWsFwdSchedule); the flags force
-// one, and need -DJAXGPU_DEV_KNOBS=1 (which compiles every schedule: 4x the compile time).
+// one, and need -DJAXGPU_DEV_KNOBS=1 (which compiles every schedule: 6x the compile time).
+// --dynamic: the persistent grid drawing tiles from a counter (--group-heads: its order's
+// heads a group instead of DynamicGroupHeads's).
+//
+// With a persistent schedule (forced or default) each case runs twice: on the full grid, and
+// on 3 CTAs (WsFwdSchedule::max_ctas), which gives each CTA several tiles (the cases have
+// fewer tiles than the H100 has SMs): rings and barrier phases going on across tiles, tiles
+// with empty walks, and in the dynamic schedule real draws from the counter. The dynamic
+// schedule's counter is zeroed once: every launch must leave it 0 again (checked), or the
+// next one would skip tiles (NaN outputs). Its timings zero it before each launch
+// (cudaMemsetAsync, inside the timed span), as an XLA workspace will need.
 //
 // A case passes when every output is within 2e-2 of the reference (outputs are convex
 // combinations of V rows in [-1, 1]: the bf16 rounding of P and O) and every lse within 1e-3.
@@ -17,6 +27,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <random>
 #include <string>
@@ -34,6 +45,9 @@ namespace {
 
 bool g_ping_pong = false;  // --ping-pong
 int g_persistent = 0;      // --persistent: 1, --no-persistent: -1, else the default
+bool g_dynamic = false;    // --dynamic
+int g_group_heads = 0;     // --group-heads N
+int* g_counter = nullptr;  // the dynamic schedule's workspace (kWsFwdWorkspaceBytes)
 
 struct Case {
   int64_t b, t, s, k, r, h;
@@ -141,6 +155,8 @@ jaxgpu::cuda::attention::sm90::WsFwdSchedule Schedule(const AttentionParams& p) 
   auto s = jaxgpu::cuda::attention::sm90::DefaultWsFwdSchedule(p);
   s.ping_pong = g_ping_pong;
   if (g_persistent != 0) s.persistent = g_persistent == 1;
+  if (g_dynamic) s.persistent = s.dynamic = true;
+  s.group_heads = g_group_heads;
   return s;
 }
 
@@ -152,6 +168,11 @@ void Allocate(const Case& c, Device* d) {
   CK(cudaMalloc(&d->v, nkv * 2));
   CK(cudaMalloc(&d->o, nq * 2));
   CK(cudaMalloc(&d->lse, c.b * c.k * c.r * c.t * sizeof(float)));
+}
+
+cudaError_t Launch(const AttentionParams& p,
+                   const jaxgpu::cuda::attention::sm90::WsFwdSchedule& s) {
+  return jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, s, nullptr, g_counter);
 }
 
 bool Check(const Case& c, std::mt19937& rng) {
@@ -167,7 +188,6 @@ bool Check(const Case& c, std::mt19937& rng) {
   CK(cudaMemcpy(d.q, q.data(), nq * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.k, k.data(), nkv * 2, cudaMemcpyHostToDevice));
   CK(cudaMemcpy(d.v, v.data(), nkv * 2, cudaMemcpyHostToDevice));
-  CK(cudaMemset(d.o, 0xff, nq * 2));  // NaN where the kernel writes nothing
   std::vector<int32_t> q_seg, kv_seg;
   if (c.segment > 0) {
     q_seg = SegmentIds(c.b, c.t, c.segment, 7);
@@ -182,15 +202,10 @@ bool Check(const Case& c, std::mt19937& rng) {
     std::printf("SKIP %s: %s\n", c.Name().c_str(), why);
     return true;
   }
-  CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, Schedule(p), nullptr));
-  SyncOrDie(nullptr, 20.0, c.Name());
-  std::vector<uint16_t> o(nq);
-  std::vector<float> lse(c.b * n * c.t);
-  CK(cudaMemcpy(o.data(), d.o, nq * 2, cudaMemcpyDeviceToHost));
-  CK(cudaMemcpy(lse.data(), d.lse, lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
 
-  // q (B, T, K, R, H), k / v (B, S, K, H), lse (B, K, R, T).
-  double worst_o = 0, worst_lse = 0;
+  // The float64 reference: q (B, T, K, R, H), k / v (B, S, K, H), lse (B, K, R, T); NaN lse
+  // where a row sees no key (its output is 0, its lse not compared).
+  std::vector<double> ref_o(nq), ref_lse(c.b * n * c.t);
   std::vector<double> logit(c.s);
   for (int64_t b = 0; b < c.b; ++b) {
     for (int64_t kh = 0; kh < c.k; ++kh) {
@@ -223,8 +238,7 @@ bool Check(const Case& c, std::mt19937& rng) {
           for (int64_t j = lo; j <= hi; ++j) {
             if (visible(j)) sum += std::exp(logit[j] - mx);
           }
-          const float got_lse = lse[((b * c.k + kh) * c.r + r) * c.t + i];
-          if (any) worst_lse = std::max(worst_lse, std::fabs(got_lse - (mx + std::log(sum))));
+          ref_lse[((b * c.k + kh) * c.r + r) * c.t + i] = any ? mx + std::log(sum) : NAN;
           for (int64_t x = 0; x < c.h; ++x) {
             double acc = 0;
             for (int64_t j = lo; j <= hi; ++j) {
@@ -232,18 +246,47 @@ bool Check(const Case& c, std::mt19937& rng) {
               acc += std::exp(logit[j] - mx) *
                      HalfValue(c.dtype, v[((b * c.s + j) * c.k + kh) * c.h + x]);
             }
-            const double want = any ? acc / sum : 0.0;
-            const double got = HalfValue(c.dtype, o[qrow + x]);
-            const double err = std::isnan(got) ? INFINITY : std::fabs(got - want);
-            worst_o = std::max(worst_o, err);
+            ref_o[qrow + x] = any ? acc / sum : 0.0;
           }
         }
       }
     }
   }
-  const bool ok = worst_o <= 2e-2 && worst_lse <= 1e-3;
-  std::printf("%s %s: max |o - ref| %.2e, max |lse - ref| %.2e\n", ok ? "ok  " : "FAIL",
-              c.Name().c_str(), worst_o, worst_lse);
+
+  // One run of the kernel on `s`'s grid, compared with the reference.
+  auto run = [&](const jaxgpu::cuda::attention::sm90::WsFwdSchedule& s, const char* grid) {
+    const std::string name = c.Name() + grid;
+    CK(cudaMemset(d.o, 0xff, nq * 2));  // NaN where the kernel writes nothing
+    CK(Launch(p, s));
+    SyncOrDie(nullptr, 20.0, name);
+    std::vector<uint16_t> o(nq);
+    std::vector<float> lse(c.b * n * c.t);
+    CK(cudaMemcpy(o.data(), d.o, nq * 2, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(lse.data(), d.lse, lse.size() * sizeof(float), cudaMemcpyDeviceToHost));
+    double worst_o = 0, worst_lse = 0;
+    for (int64_t i = 0; i < nq; ++i) {
+      const double got = HalfValue(c.dtype, o[i]);
+      worst_o = std::max(worst_o, std::isnan(got) ? INFINITY : std::fabs(got - ref_o[i]));
+    }
+    for (size_t i = 0; i < lse.size(); ++i) {
+      if (!std::isnan(ref_lse[i])) worst_lse = std::max(worst_lse, std::fabs(lse[i] - ref_lse[i]));
+    }
+    int counter = 0;
+    if (s.dynamic) CK(cudaMemcpy(&counter, g_counter, sizeof(int), cudaMemcpyDeviceToHost));
+    const bool ok = worst_o <= 2e-2 && worst_lse <= 1e-3 && counter == 0;
+    std::printf("%s %s: max |o - ref| %.2e, max |lse - ref| %.2e", ok ? "ok  " : "FAIL",
+                name.c_str(), worst_o, worst_lse);
+    if (counter != 0) std::printf(", tile counter left at %d", counter);
+    std::printf("\n");
+    return ok;
+  };
+  const auto s = Schedule(p);
+  bool ok = run(s, "");
+  if (s.persistent || s.dynamic) {
+    auto few = s;
+    few.max_ctas = 3;
+    ok = run(few, " [3 CTAs]") && ok;
+  }
   return ok;
 }
 
@@ -269,7 +312,8 @@ void Time(const Case& c) {
   std::vector<float> ms;
   for (int rep = 0; rep < 23; ++rep) {
     CK(cudaEventRecord(e0));
-    CK(jaxgpu::cuda::attention::sm90::LaunchFwdWarpSpecialized(p, Schedule(p), nullptr));
+    if (g_dynamic) CK(cudaMemsetAsync(g_counter, 0, sizeof(int), nullptr));
+    CK(Launch(p, Schedule(p)));
     CK(cudaEventRecord(e1));
     SyncOrDie(nullptr, 20.0, c.Name());
     float t = 0;
@@ -279,7 +323,13 @@ void Time(const Case& c) {
   std::sort(ms.begin(), ms.end());
   const double t = ms[ms.size() / 2] * 1e-3;
   const double flops = 4.0 * c.b * n * c.t * c.s * c.h * (c.causal ? 0.5 : 1.0);
-  std::printf("time %s: %.1f us, %.0f TFLOP/s\n", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
+  std::printf("time %s: %.1f us, %.0f TFLOP/s", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
+  if (g_dynamic) {  // the order's heads a group (a causal call's; otherwise 1)
+    std::printf(", %d heads a group", g_group_heads > 0
+                                          ? g_group_heads
+                                          : jaxgpu::cuda::attention::sm90::DynamicGroupHeads(p));
+  }
+  std::printf("\n");
   cudaEventDestroy(e0);
   cudaEventDestroy(e1);
 }
@@ -293,11 +343,19 @@ int main(int argc, char** argv) {
     if (std::strcmp(argv[i], "--ping-pong") == 0) g_ping_pong = true;
     if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = 1;
     if (std::strcmp(argv[i], "--no-persistent") == 0) g_persistent = -1;
+    if (std::strcmp(argv[i], "--dynamic") == 0) g_dynamic = true;
+    if (std::strcmp(argv[i], "--group-heads") == 0 && i + 1 < argc) {
+      g_group_heads = std::atoi(argv[++i]);
+    }
   }
   std::printf("warp-specialized forward%s%s\n", g_ping_pong ? ", ping-pong" : "",
-              g_persistent == 1    ? ", persistent"
+              g_dynamic            ? ", dynamic persistent"
+              : g_persistent == 1  ? ", persistent"
               : g_persistent == -1 ? ", not persistent"
                                    : ", default schedule");
+  if (g_group_heads > 0) std::printf("heads a group: %d\n", g_group_heads);
+  CK(cudaMalloc(&g_counter, jaxgpu::cuda::attention::sm90::kWsFwdWorkspaceBytes));
+  CK(cudaMemset(g_counter, 0, jaxgpu::cuda::attention::sm90::kWsFwdWorkspaceBytes));
   std::mt19937 rng(20261127);
   int failed = 0, total = 0;
   std::vector<Case> cases = {
@@ -334,6 +392,11 @@ int main(int argc, char** argv) {
     Time({4, 4096, 4096, 8, 4, 128, true});  // GQA 32/8
     Time({4, 4096, 4096, 16, 1, 256});
     Time({4, 4096, 4096, 16, 1, 256, true});
+    // Where cuDNN still leads (docs/perf/attention.md section 12.1): H 64 at N 32, causal
+    // T 1k at H 128.
+    Time({4, 4096, 4096, 32, 1, 64});
+    Time({4, 4096, 4096, 32, 1, 64, true});
+    Time({16, 1024, 1024, 16, 1, 128, true});
     // The options case: softcap + window + segment ids (one segment per row: nothing masked
     // by them, the cost of deciding so).
     Time({4, 4096, 4096, 16, 1, 128, true, 1024, -1, 30.f, DType::kBF16, 100000});

@@ -102,6 +102,34 @@ __device__ __forceinline__ QueryTile DecodeQueryTileAt(const AttentionParams& p,
   return q;
 }
 
+// DecodeQueryTileAt's tile in 32-bit integers throughout (flat < heads x tiles <= INT32_MAX,
+// FlatGrid's bound), in groups of `group_heads` > 0 heads (kGrouped; the caller's, not
+// GroupHeads). Why: its 64-bit divisions (head into b, kh, r) are calls, and the registers a
+// call saves do not fit a warp-specialized copy warp's 24 (fwd_ws_sm90's dynamic grid
+// decodes a tile per draw there: 40 to 144 bytes of spills with DecodeQueryTileAt).
+template <bool kGrouped>
+__device__ __forceinline__ QueryTile DecodeQueryTile32(const AttentionParams& p, int block_m,
+                                                       int flat, int group_heads) {
+  const int m_blocks = (static_cast<int>(p.q_len) + block_m - 1) / block_m;
+  const int group = static_cast<int>(p.group), kv_heads = static_cast<int>(p.kv_heads);
+  QueryTile q;
+  int head;
+  if constexpr (kGrouped) {
+    const HeadAndRank hr = DecodeGroupedTile(flat, static_cast<int>(p.batch) * kv_heads * group,
+                                             m_blocks, group_heads);
+    head = static_cast<int>(hr.head);
+    q.m_block = m_blocks - 1 - hr.rank;
+  } else {
+    head = flat / m_blocks;
+    q.m_block = m_blocks - 1 - (flat - head * m_blocks);
+  }
+  const int kv_head = head / group;  // b * K + kh
+  q.r = head - kv_head * group;
+  q.b = kv_head / kv_heads;
+  q.kh = kv_head - static_cast<int>(q.b) * kv_heads;
+  return q;
+}
+
 // The CTA's tile in a FlatGrid: `flat` is blockIdx.x itself (unsigned), as each kernel had it.
 template <bool kGrouped>
 __device__ __forceinline__ QueryTile DecodeQueryTile(const AttentionParams& p, int block_m) {
