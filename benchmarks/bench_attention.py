@@ -8,6 +8,9 @@
 
 Implementations, timed in the same run on the same inputs (bf16, B*T = 16k tokens):
   cuda    jaxgpu.dot_product_attention (the kernels; 'cpu' on a CPU)
+  cuda-unordered  the same with deterministic=False (forward+backward only: dQ's partial
+          sums added in any order; cuDNN's backward, run with XLA's default
+          xla_gpu_deterministic_ops=false, is not deterministic either)
   cudnn   jax.nn.dot_product_attention(implementation='cudnn'): the anchor (vs anchor =
           cuDNN's time / this time)
   pallas  jax.experimental.pallas.ops.gpu.attention.mha (Triton; MHA only, no GQA)
@@ -168,8 +171,10 @@ def attention_fn(impl: str, case: Case):
     import jaxgpu
 
     scale = 1.0 / math.sqrt(case.h)
-    if impl in ("cuda", "cpu"):
+    if impl in ("cuda", "cpu", "cuda-unordered"):
         kw = case.kwargs()
+        if impl == "cuda-unordered":
+            impl, kw = "cuda", dict(kw, deterministic=False)
 
         def fn(q, k, v, q_seg, kv_seg):
             return jaxgpu.dot_product_attention(q, k, v, scale=scale, q_segment_ids=q_seg,
@@ -250,6 +255,8 @@ def run(bench: harness.Bench) -> None:
         impls = tuple(harness.default_implementations(bench.args))
     else:
         impls = (kernel, ANCHOR, "pallas", "xla")
+        if bench.on_gpu:
+            impls += ("cuda-unordered",)
     if not bench.args.repeats and not bench.quick:
         bench.config.repeats = 5  # ~24 cases x 4 implementations within a few GPU minutes
     dtype = jnp.dtype(DTYPE)
@@ -263,6 +270,8 @@ def run(bench: harness.Bench) -> None:
             make = make_fwd if pass_ == "fwd" else make_fwd_bwd
             fns = {}
             for impl in impls:
+                if impl == "cuda-unordered" and pass_ == "fwd":
+                    continue  # the forward has no order to relax
                 why = supported(impl, case, bench.quick)
                 if why:
                     _skip(bench, case, pass_, impl, why)

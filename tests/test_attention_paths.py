@@ -248,11 +248,12 @@ def test_xla_implementation_ignores_the_hook():
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(forced))
 
 
-def _raw_cpu_fwd(q5, k, v, **attrs):
-  """The CPU forward target called directly with exactly `attrs`."""
+def _raw_cpu_fwd(q5, k, v, counter=jax.ShapeDtypeStruct((0,), jnp.int32), **attrs):
+  """The CPU forward target called directly with exactly `attrs` (and the tile counter
+  workspace `counter`, which only the CUDA forward uses)."""
   b, t, kh, r, _ = q5.shape
   out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype),
-         jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32))
+         jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32), counter)
   empty = jnp.zeros((0,), jnp.int32)
   # segment ids, bias, mask, lengths: all absent
   absent = (empty, empty, jnp.zeros((0,), jnp.float32), jnp.zeros((0,), jnp.bool_), empty, empty)
@@ -305,15 +306,16 @@ def test_handler_checks_the_attributes(attrs, match):
 # ---- the fused Hopper backward's workspaces -------------------------------------------------
 
 
-def test_fused_backward_workspaces_only_where_it_can_run(monkeypatch):
-  """The backward call gets dq_accum and dq_semaphores (ffi/attention/sm90/bwd_ws_sm90.h)
-  only where the fused kernel can take it; elsewhere they would be 2x q's bytes for nothing.
-  The Hopper check is patched: this decides shapes, it runs nothing."""
+def test_warp_specialized_workspaces_only_where_the_kernels_can_run(monkeypatch):
+  """The calls get the Hopper kernels' workspaces (the forward's tile counter, the
+  backward's dq_accum and dq_semaphores) only where those kernels can take them; elsewhere
+  the backward's would be 2x q's bytes for nothing. The Hopper check is patched: this
+  decides shapes, it runs nothing."""
   monkeypatch.setattr(attention_op, "_hopper_present", lambda: True)
   base = attention_op._Config(scale=1.0, softcap=0.0, causal=False, window=(-1, -1),
                               has_segments=False, implementation="cuda")
   bf16, replace = jnp.bfloat16, dataclasses.replace
-  fused = attention_op._fused_backward
+  fused = attention_op._warp_specialized
   assert fused(base, 128, bf16) and fused(base, 64, jnp.float16) and fused(base, 256, bf16)
   assert fused(replace(base, causal=True, window=(7, 0)), 40, bf16)
   assert not fused(base, 96, bf16)        # the mma.sync kernels' head dim
@@ -327,6 +329,23 @@ def test_fused_backward_workspaces_only_where_it_can_run(monkeypatch):
   assert not fused(replace(base, path=attention_op._PATHS["mma_sync"]), 128, bf16)
   monkeypatch.setattr(attention_op, "_hopper_present", lambda: False)
   assert not fused(base, 128, bf16)
+
+
+@pytest.mark.parametrize("counter", [jax.ShapeDtypeStruct((2,), jnp.int32),
+                                     jax.ShapeDtypeStruct((1,), jnp.float32)],
+                         ids=["two-words", "float32"])
+def test_handler_checks_the_tile_counter(counter):
+  """The forward's tile_counter workspace: one int32 or none."""
+  _needs_cpu()
+  q, k, v = _small_inputs(dtype=jnp.float32)
+  with jax.default_device(jax.devices("cpu")[0]):
+    with pytest.raises(Exception, match="tile_counter"):
+      jax.block_until_ready(_raw_cpu_fwd(q.reshape(1, 5, 2, 2, 16), k, v, counter, **_ATTRS))
+    one = _raw_cpu_fwd(q.reshape(1, 5, 2, 2, 16), k, v,
+                       jax.ShapeDtypeStruct((1,), jnp.int32), **_ATTRS)
+    none = _raw_cpu_fwd(q.reshape(1, 5, 2, 2, 16), k, v, **_ATTRS)
+  for a, b in zip(one[:2], none[:2]):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_handler_deterministic_is_optional():

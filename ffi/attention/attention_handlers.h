@@ -8,7 +8,10 @@
 //              bias (Bb, Kb, Rb, Tb, Sb) f32 or q's dtype | (0),
 //              mask pred (Bm, Km, Rm, Tm, Sm) | (0)   (each dim 1 or B, K, R, T, S),
 //              q_lengths s32 (B) | (0), kv_lengths s32 (B) | (0)
-//        rets  o (B, T, K, R, H) the dtype of q, lse f32 (B, K, R, T)
+//        rets  o (B, T, K, R, H) the dtype of q, lse f32 (B, K, R, T),
+//              tile_counter s32 (1) | (0): the Hopper forward's tile counter (workspace;
+//              empty: that forward's masked calls run fwd_sm90's kernel; the CPU handler
+//              ignores it)
 //   bwd  args  q, k, v, o, lse, do (the shape of o), q_segment_ids, kv_segment_ids,
 //              segment_uniform s32 (B) | (0): 1 where row b's ids are all one segment
 //              (optional with segment ids: empty keeps every row on the maskable kernels),
@@ -56,7 +59,8 @@ namespace jaxgpu {
                              .Arg<::xla::ffi::AnyBuffer>()  /* q_lengths */      \
                              .Arg<::xla::ffi::AnyBuffer>()  /* kv_lengths */     \
                              .Ret<::xla::ffi::AnyBuffer>()  /* o */              \
-                             .Ret<::xla::ffi::AnyBuffer>()) /* lse */
+                             .Ret<::xla::ffi::AnyBuffer>()  /* lse */            \
+                             .Ret<::xla::ffi::AnyBuffer>()) /* tile_counter */
 
 #define JAXGPU_ATTENTION_BWD_BINDING(BIND)                                        \
   JAXGPU_ATTENTION_ATTRS(BIND.Arg<::xla::ffi::AnyBuffer>()  /* q */               \
@@ -307,13 +311,11 @@ ffi::Error CheckRowStats(const S& buf, const AttentionParams& p, const char* nam
   return CheckDims(buf, {p.batch, p.kv_heads, p.group, p.q_len}, name);
 }
 
-inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
-                                         ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
-                                         ffi::AnyBuffer bias, ffi::AnyBuffer mask,
-                                         ffi::AnyBuffer q_lengths, ffi::AnyBuffer kv_lengths,
-                                         ffi::Result<ffi::AnyBuffer> o,
-                                         ffi::Result<ffi::AnyBuffer> lse, const AttentionAttrs& a,
-                                         AttentionParams* p) {
+inline ffi::Error MakeAttentionFwdParams(
+    ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::AnyBuffer q_seg,
+    ffi::AnyBuffer kv_seg, ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
+    ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> o, ffi::Result<ffi::AnyBuffer> lse,
+    ffi::Result<ffi::AnyBuffer> tile_counter, const AttentionAttrs& a, AttentionParams* p) {
   JAXGPU_RETURN_IF_ERROR(MakeAttentionShape(q, k, v, q_seg, kv_seg, a, p));
   if (a.has_dbias) return ffi::Error::InvalidArgument("has_dbias: backward only");
   JAXGPU_RETURN_IF_ERROR(MakeAttentionExtras(bias, mask, q_lengths, kv_lengths, a, p));
@@ -321,6 +323,10 @@ inline ffi::Error MakeAttentionFwdParams(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi
   JAXGPU_RETURN_IF_ERROR(CheckRowStats(*lse, *p, "lse"));
   p->o = o->untyped_data();
   p->lse = static_cast<float*>(lse->untyped_data());
+  if (tile_counter->element_count() != 0) {
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(tile_counter, ffi::DataType::S32, 1, "tile_counter"));
+    p->fwd_tile_counter = static_cast<int32_t*>(tile_counter->untyped_data());
+  }
   return ffi::Error::Success();
 }
 

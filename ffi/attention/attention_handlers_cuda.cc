@@ -38,12 +38,13 @@ ffi::Error AttentionFwdCuda(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffe
                             ffi::AnyBuffer v, ffi::AnyBuffer q_seg, ffi::AnyBuffer kv_seg,
                             ffi::AnyBuffer bias, ffi::AnyBuffer mask, ffi::AnyBuffer q_lengths,
                             ffi::AnyBuffer kv_lengths, ffi::Result<ffi::AnyBuffer> o,
-                            ffi::Result<ffi::AnyBuffer> lse, ffi::Dictionary attrs) {
+                            ffi::Result<ffi::AnyBuffer> lse,
+                            ffi::Result<ffi::AnyBuffer> tile_counter, ffi::Dictionary attrs) {
   AttentionAttrs a;
   JAXGPU_RETURN_IF_ERROR(AttentionAttrsFrom(attrs, &a));
   AttentionParams p;
   JAXGPU_RETURN_IF_ERROR(MakeAttentionFwdParams(q, k, v, q_seg, kv_seg, bias, mask, q_lengths,
-                                                kv_lengths, o, lse, a, &p));
+                                                kv_lengths, o, lse, tile_counter, a, &p));
   JAXGPU_RETURN_IF_ERROR(CheckCudaSupported(p));
   AttentionPath path;
   JAXGPU_RETURN_IF_ERROR(ResolvePath(p, a.path, &path));

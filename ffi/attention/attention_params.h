@@ -90,6 +90,9 @@ struct AttentionParams {
   // The fused backward adds dQ's partial sums in whatever order its CTAs finish (float32
   // adds: not bitwise reproducible), without the semaphores' waits. false: a fixed order.
   bool dq_unordered;
+  // Forward workspace of the Hopper forward's dynamic tile schedule (nullptr: its masked
+  // calls run fwd_sm90's kernel): one int32, zeroed by the launcher before each call.
+  int32_t* fwd_tile_counter;
 };
 
 // Elements of a bias- or mask-shaped array with these strides (a dim of stride 0 has size 1).

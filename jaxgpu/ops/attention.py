@@ -14,7 +14,8 @@ of 8 is zero-padded to one (the CUDA kernels load 16-byte rows; zero features ch
 neither q.k nor the kept output columns), the outputs and gradients are sliced back, and
 the default scale stays 1/sqrt(H) of the ORIGINAL H. Inner FFI calls:
   fwd  q, k, v[, q_seg, kv_seg][, bias, mask, q_len, kv_len]
-                                        -> o (B, T, K, R, H), lse float32 (B, K, R, T)
+                                        -> o (B, T, K, R, H), lse float32 (B, K, R, T),
+                                           tile_counter int32 (1,) (workspace, or empty)
   bwd  q, k, v, o, lse, do[, segs, uniform][, bias, mask, q_len, kv_len]
                                         -> dq, dk, dv, delta float32 (B, K, R, T)
                                            (workspace)[, dbias float32 (bias's shape)],
@@ -41,7 +42,7 @@ in the bias's shape (the kernels' accumulator, cast to the bias's dtype after). 
 dq, dk, dv (the shapes and dtypes of q, k, v; dk and dv already reduced over the R query
 heads of each kv head) and delta, a float32 workspace of B*N*T; with segment ids and no
 causal mask or window, the per-row flag `uniform` (4 bytes per batch row). On Hopper (the
-fused backward, `_fused_backward`: no bias, mask or lengths; segment ids are taken), a
+fused backward, `_warp_specialized`: no bias, mask or lengths; segment ids are taken), a
 float32 dQ accumulator of q's shape (twice q's bytes in bf16: the kernel adds each key
 tile's dQ into it) and an int32 semaphore per query row and head (the adds' fixed order);
 elsewhere both are empty. No T x S array exists in either pass. With H % 8 != 0 (kernels
@@ -245,10 +246,13 @@ def _fwd_call(cfg: _Config, q, k, v, segs, extras):
 
   def local_fn(q, k, v, *rest):
     b, t, kh, r, _ = q.shape
+    ws = _warp_specialized(cfg, q.shape[-1], q.dtype)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype),
-           jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32))
-    return tuple(jax.ffi.ffi_call(cfg.target("fwd"), out)(
-        q, k, v, *_segments(cfg, rest[:n_seg]), *_extras(cfg, rest[n_seg:]), **cfg.attrs()))
+           jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32),
+           jax.ShapeDtypeStruct((1,) if ws else (0,), jnp.int32))
+    o, lse, _ = jax.ffi.ffi_call(cfg.target("fwd"), out)(
+        q, k, v, *_segments(cfg, rest[:n_seg]), *_extras(cfg, rest[n_seg:]), **cfg.attrs())
+    return o, lse  # the workspace dropped
 
   return grouped_call(local_fn, layout, q, k, v, *segs, *extras)
 
@@ -262,12 +266,14 @@ def _hopper_present() -> bool:
     return False
 
 
-def _fused_backward(cfg: _Config, h: int, dtype) -> bool:
-  """Whether the backward call gets the fused Hopper backward's workspaces
-  (ffi/attention/sm90/bwd_ws_sm90.h: segment ids, but no bias, mask or lengths; head dims
-  padded to 64, 128 or 256; a 16-bit dtype). The handler decides in the end: without them it
-  runs the dQ and dK/dV kernels, and with them where the kernel cannot run (another GPU)
-  too."""
+def _warp_specialized(cfg: _Config, h: int, dtype) -> bool:
+  """Whether the calls get the warp-specialized Hopper kernels' workspaces: the forward's
+  tile counter (ffi/attention/sm90/fwd_ws_sm90.h) and the fused backward's dQ accumulator
+  and semaphores (bwd_ws_sm90.h). Both kernels take segment ids, but no bias, mask or
+  lengths; head dims padded to 64, 128 or 256; a 16-bit dtype. The handlers decide in the
+  end: without the workspaces the forward runs its masked calls on the wgmma kernel of part 1
+  and the backward runs the dQ and dK/dV kernels, and with them where the kernels cannot run
+  (another GPU) too."""
   if cfg.implementation == "cpu" or cfg.path == _PATHS["mma_sync"]:
     return False
   if cfg.bias is not None or cfg.mask is not None or cfg.has_lengths:
@@ -290,7 +296,7 @@ def _bwd_call(cfg: _Config, q, k, v, o, lse, do, segs, extras, want_dbias: bool)
   def local_fn(q, k, v, o, lse, do, *rest):
     extras = _extras(cfg, rest[n_seg:])
     dbias = (extras[0].shape if want_dbias else (0,))
-    fused = _fused_backward(cfg, q.shape[-1], q.dtype)
+    fused = _warp_specialized(cfg, q.shape[-1], q.dtype)
     out = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
            jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(lse.shape, jnp.float32),
            jax.ShapeDtypeStruct(dbias, jnp.float32),

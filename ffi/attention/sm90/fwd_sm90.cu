@@ -224,10 +224,10 @@ __global__ void __launch_bounds__(Tr::kThreads, 1)
 
 }  // namespace
 
-// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<persistent>]:
+// Developer knob (a JAXGPU_DEV_KNOBS build): JAXGPU_ATTENTION_FWD_WS=<mode>[,<grid>]:
 // mode -1 runs this file's kernel where the warp-specialized one would (the A/B baseline),
-// 2 the warp-specialized one with ping-pong; persistent 1 or -1 forces the persistent grid
-// on or off. 0 or absent: the default schedule.
+// 2 the warp-specialized one with ping-pong; grid 1 forces the persistent stride, 2 the
+// dynamic grid, -1 one CTA a tile. 0 or absent: the default schedule.
 DevKnob WarpSpecializedByDevKnob() {
   static const DevKnob knob = ReadDevKnob("JAXGPU_ATTENTION_FWD_WS");
   return knob;
@@ -240,8 +240,17 @@ cudaError_t LaunchFwd(const AttentionParams& p, cudaStream_t stream) {
   if (knob.ints[0] != -1) {  // cudaErrorNotSupported where it cannot take the call
     WsFwdSchedule schedule = DefaultWsFwdSchedule(p);
     if (knob.ints[0] == 2) schedule.ping_pong = true;
-    if (knob.ints[1] != 0) schedule.persistent = knob.ints[1] == 1;
-    const cudaError_t e = LaunchFwdWarpSpecialized(p, schedule, stream);
+    if (knob.ints[1] != 0) {
+      schedule.persistent = knob.ints[1] > 0;
+      schedule.dynamic = knob.ints[1] == 2;
+    }
+    // The dynamic grid's counter must hold 0 when the kernel starts; an XLA workspace holds
+    // anything.
+    if (schedule.dynamic && p.fwd_tile_counter != nullptr) {
+      JAXGPU_RETURN_IF_CUDA_ERROR(
+          cudaMemsetAsync(p.fwd_tile_counter, 0, kWsFwdWorkspaceBytes, stream));
+    }
+    const cudaError_t e = LaunchFwdWarpSpecialized(p, schedule, stream, p.fwd_tile_counter);
     if (e != cudaErrorNotSupported) return e;
   }
   const bool bounded = !std::isnan(MakeLogitScale(p.scale, p.softcap, p.dtype).bound);

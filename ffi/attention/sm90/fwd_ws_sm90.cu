@@ -13,8 +13,7 @@
 // beside the tiles, tracked on the same full barriers (cp.async.mbarrier.arrive).
 // Options (template switches): ping-pong of the math warpgroups on the tensor cores, and a
 // persistent grid (one CTA an SM walking the tiles, the rings going on across them), the
-// tiles in a fixed stride or drawn from a counter (WsGrid; the dynamic grid is in
-// developer-knob builds only until measured).
+// tiles in a fixed stride or drawn from a counter (WsGrid).
 //
 // Covered: 16-bit q/k/v with head dims padded to 64, 128 or 256 (H a multiple of 8), the causal
 // and window masks, softcap, segment ids; not sequence lengths, bias or mask (the caller
@@ -26,14 +25,19 @@
 // 585; H 256 782 / 802 / 773, causal 680 / 550 / 658. (fwd_sm90's kernel: 430 at H 128.)
 // Ping-pong gains nothing measurable: off. The persistent grid walks tiles in a fixed
 // stride, which balances uniform tiles (and saves the per-CTA start on short ones) but not
-// causal ones, whose costs differ by up to the number of key tiles: on for the unmasked
-// calls only (LaunchFwdWarpSpecialized's callers decide). The dynamic grid (WsGrid::kDynamic:
-// tiles drawn from a counter, longest first in groups of heads whose K/V fit L2) is the
-// candidate to serve every call; not yet run on a GPU.
+// causal ones, whose costs differ by up to the number of key tiles. The dynamic grid
+// (WsGrid::kDynamic: tiles drawn from a counter, longest first in groups of heads whose
+// K/V fit L2) balances those; same run, TFLOP/s, one CTA a tile / stride / dynamic: H 128
+// T 4k causal 588 / 421 / 638, T 16k causal 756 / 503 / 774, T 1k causal 308 / 338 / 381;
+// H 64 T 1k causal 193 / 230 / 238, T 4k causal 346 / 376 / 427; GQA 32/8 causal 617 / 651
+// / 653; H 256 causal 671 / 552 / 718; unmasked it matches the stride (H 128 T 4k 665 /
+// 696 / 696, H 256 802 / 813 / 790). So the default (DefaultWsFwdSchedule): the stride
+// where no tile masks, the dynamic grid where tiles do (its counter needs a workspace:
+// without one the masked calls go to fwd_sm90's kernel).
 //
 // ptxas (CUDA 13.0, sm_90a): product build 36 instances, developer-knob build 216 (3 grids x
 // ping-pong x 36), no spills but 4 bytes in the 8 H 256 maskable ping-pong ones of the
-// one-CTA-a-tile and stride grids (as before the dynamic grid).
+// one-CTA-a-tile and stride grids.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -620,7 +624,8 @@ int WsBlockN(const AttentionParams& p) { return PaddedHeadDim(p.head_dim) > 128 
 
 WsFwdSchedule DefaultWsFwdSchedule(const AttentionParams& p) {
   WsFwdSchedule s;
-  s.persistent = !NeedsMask(p, WsBlockN(p));
+  s.persistent = true;
+  s.dynamic = NeedsMask(p, WsBlockN(p));
   return s;
 }
 
@@ -669,7 +674,7 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
                                             : WsGrid::kPerTile;
   // A product build compiles the default schedule only (each extra one doubles the file's
   // instances and CI's compile of it); a developer-knob build every one, for A/B runs.
-  if (!kDevKnobs && (schedule.ping_pong || mode != (masks ? WsGrid::kPerTile : WsGrid::kStride))) {
+  if (!kDevKnobs && (schedule.ping_pong || mode != (masks ? WsGrid::kDynamic : WsGrid::kStride))) {
     return cudaErrorNotSupported;
   }
   int* const tile_counter = static_cast<int*>(workspace);
@@ -737,7 +742,7 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
                 }
               });
             } else {
-              constexpr WsGrid kGrid = kMaskable ? WsGrid::kPerTile : WsGrid::kStride;
+              constexpr WsGrid kGrid = kMaskable ? WsGrid::kDynamic : WsGrid::kStride;
               return launch(AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, false, kGrid>,
                             kGrid);
             }

@@ -28,8 +28,8 @@ struct WsFwdSchedule {
   int max_ctas = 0;
 };
 
-// The schedule measured fastest for `p` (fwd_ws_sm90.cu's header): persistent where no tile
-// masks, no ping-pong.
+// The schedule measured fastest for `p` (fwd_ws_sm90.cu's header): the persistent stride
+// where no tile masks, the dynamic grid where tiles do; no ping-pong.
 WsFwdSchedule DefaultWsFwdSchedule(const AttentionParams& p);
 
 // Bytes of device memory the dynamic schedule's tile counter takes (one int32). It must
