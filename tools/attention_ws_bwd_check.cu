@@ -7,11 +7,20 @@
 //   nvcc -O3 -std=c++17 -Iffi -Itools -DJAXGPU_HAS_SM90A=1 \
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awbc \
 //       tools/attention_ws_bwd_check.cu ffi/attention/sm90/bwd_ws_sm90.cu && /tmp/awbc
-//       [--no-time] [--nondeterministic] [--time-options]
+//       [--no-time] [--nondeterministic] [--time-options] [--time-only]
 //
 // --nondeterministic: check and time only the mode without semaphores (if the deterministic
 // one hangs). --time-options: no checks, only the options case against the plain one
 // (TimeOptions: softcap + window + segment ids all 0, B4 T4096 N16 H128, interleaved).
+// --time-only: no checks, the timed shapes alone.
+//
+// The walk order (bwd_ws_sm90.cu's file comment): causal and right-window masks walk query
+// tiles up and add dQ in decreasing key-tile order. To A/B it against the previous order
+// (every mask walked down, adds in increasing key-tile order), build a second binary with
+// the development define -DJAXGPU_BWD_WS_WALK_DOWN=1 (it must reach bwd_ws_sm90.cu; the
+// banner says which order a binary has) and compare the two's timings:
+//   nvcc ... -DJAXGPU_BWD_WS_WALK_DOWN=1 -o /tmp/awbc_down tools/attention_ws_bwd_check.cu \
+//       ffi/attention/sm90/bwd_ws_sm90.cu && /tmp/awbc_down --time-only
 // By default both modes are checked, the deterministic one run twice and its dq, dk, dv and
 // float32 dq accumulator compared bitwise, and both are timed. Segment-id cases
 // (MakeSegments: packed runs, one segment a row, flagged rows, queries that see no key)
@@ -629,8 +638,24 @@ double Median(std::vector<float> v) {
   return v[v.size() / 2];
 }
 
+// The (query, key) pairs a batch row's head computes, segments aside, for the TFLOP/s: T S,
+// half of it under the causal mask alone (the convention of the numbers in bwd_ws_sm90.cu),
+// counted where a window is set.
+double VisiblePairs(const Case& c) {
+  if (c.left < 0 && c.right < 0) return double(c.t) * c.s * (c.causal ? 0.5 : 1.0);
+  double n = 0;
+  for (int64_t i = 0; i < c.t; ++i) {
+    int64_t hi = c.s - 1;
+    if (c.causal) hi = std::min(hi, i);
+    if (c.right >= 0) hi = std::min(hi, i + c.right);
+    const int64_t lo = c.left >= 0 ? std::max<int64_t>(0, i - c.left) : 0;
+    n += double(std::max<int64_t>(0, hi - lo + 1));
+  }
+  return n;
+}
+
 // Median times (ms) of the workspace memsets, the main kernel and the conversion, and the
-// backward's TFLOP/s (10 B N T S H flops, half under the causal mask) over main + convert.
+// backward's TFLOP/s (10 B N H flops a visible pair: VisiblePairs) over main + convert.
 // Returns the median of main + convert in ms (0 where the kernel does not take the case).
 double Time(const Case& c, bool deterministic) {
   Device d;
@@ -680,7 +705,7 @@ double Time(const Case& c, bool deterministic) {
     if (rep >= 3) t_zero.push_back(a), t_main.push_back(b), t_conv.push_back(cc);
   }
   const double zero = Median(t_zero), main_ms = Median(t_main), conv = Median(t_conv);
-  const double flops = 10.0 * c.b * c.N() * c.t * c.s * c.h * (c.causal ? 0.5 : 1.0);
+  const double flops = 10.0 * c.b * c.N() * c.h * VisiblePairs(c);
   std::printf(
       "time %s: main %.1f us + convert %.1f us (+ workspace zeroing %.1f us): %.0f TFLOP/s "
       "(main alone %.0f)\n",
@@ -716,19 +741,23 @@ void TimeOptions() {
 }  // namespace
 
 int main(int argc, char** argv) {
-  bool time = true, options_only = false;
+  bool time = true, options_only = false, check = true;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) {
       time = false;
     } else if (std::strcmp(argv[i], "--time-options") == 0) {
       options_only = true;
+    } else if (std::strcmp(argv[i], "--time-only") == 0) {
+      check = false;
     } else if (std::strcmp(argv[i], "--nondeterministic") == 0) {
       g_nondeterministic_only = true;
     } else if (std::strcmp(argv[i], "--self-test") == 0) {
       return SelfTestReference() ? 0 : 1;
     } else {
-      std::printf("usage: %s [--no-time] [--nondeterministic] [--self-test] [--time-options]\n",
-                  argv[0]);
+      std::printf(
+          "usage: %s [--no-time] [--nondeterministic] [--self-test] [--time-options] "
+          "[--time-only]\n",
+          argv[0]);
       return 2;
     }
   }
@@ -742,7 +771,12 @@ int main(int argc, char** argv) {
                 minor);
     return 2;
   }
-  std::printf("warp-specialized backward%s\n",
+#if defined(JAXGPU_BWD_WS_WALK_DOWN) && JAXGPU_BWD_WS_WALK_DOWN
+  const char* walk = "every mask walked down (JAXGPU_BWD_WS_WALK_DOWN)";
+#else
+  const char* walk = "causal / right windows walked up";
+#endif
+  std::printf("warp-specialized backward, %s%s\n", walk,
               g_nondeterministic_only ? ", non-deterministic mode only" : "");
   std::mt19937 rng(20261127);
   int failed = 0, total = 0;
@@ -763,6 +797,16 @@ int main(int argc, char** argv) {
       {1, 300, 300, 2, 2, 256, true},                             // H 256 causal
       {1, 333, 200, 1, 2, 256},                                   // H 256, odd
       {1, 200, 200, 1, 2, 160, false, -1, -1, 30.f},              // H 160 (padded to 256), softcap
+      // The walk order's cases (up: causal, right windows): T != S both ways with GQA, key
+      // tiles past T (no steps), windows without causal, longer chains.
+      {2, 333, 700, 2, 4, 128, true},                   // causal GQA 4, T < S
+      {1, 700, 333, 1, 3, 64, true},                    // causal GQA 3, T > S, H 64
+      {1, 400, 300, 1, 3, 256, true},                   // causal GQA 3, T > S, H 256
+      {1, 500, 400, 2, 2, 128, false, -1, 100},         // right window alone, T > S
+      {1, 300, 450, 1, 2, 256, false, 150, 60},         // two-sided window, T < S, H 256
+      {1, 450, 300, 1, 2, 64, false, 100, -1},          // left window alone (down), H 64
+      {1, 1500, 1300, 1, 2, 128, true},                 // causal: 11 key tiles, 24 query tiles
+      {1, 1100, 1100, 1, 2, 256, false, 300, 0, 30.f},  // window (300, 0), H 256, softcap
   };
   // Segment ids (MakeSegments), then whether p.segment_uniform is passed.
   constexpr DType kBf = DType::kBF16, kF16 = DType::kF16;
@@ -783,7 +827,7 @@ int main(int argc, char** argv) {
       {2, 333, 200, 1, 2, 256, false, -1, -1, 30.f, kBf, Seg::kUnseen},  // H 256 softcap, blind
       {2, 256, 256, 1, 2, 256, false, -1, -1, 0.f, kBf, Seg::kMixed, true},  // H 256 flagged
   };
-  if (!options_only) {
+  if (!options_only && check) {
     for (const Case& c : cases) {
       ++total;
       if (!Check(c, rng)) ++failed;
@@ -798,9 +842,14 @@ int main(int argc, char** argv) {
     TimeOptions();
   } else if (time) {
     const std::vector<Case> shapes = {
-        {4, 4096, 4096, 16, 1, 128},   {4, 4096, 4096, 16, 1, 128, true},
-        {1, 16384, 16384, 16, 1, 128}, {16, 1024, 1024, 16, 1, 64, true},
-        {4, 4096, 4096, 16, 1, 256},   {4, 4096, 4096, 8, 4, 128, true},  // GQA 32 / 8
+        {4, 4096, 4096, 16, 1, 128},
+        {4, 4096, 4096, 16, 1, 128, true},
+        {1, 16384, 16384, 16, 1, 128},
+        {16, 1024, 1024, 16, 1, 64, true},
+        {4, 4096, 4096, 16, 1, 256},
+        {4, 4096, 4096, 8, 4, 128, true},             // GQA 32 / 8
+        {4, 4096, 4096, 16, 1, 256, true},            // H 256 causal
+        {4, 4096, 4096, 16, 1, 128, false, 1024, 0},  // sliding window
     };
     for (const Case& c : shapes) {
       Time(c, false);

@@ -11,6 +11,8 @@
 // (non-deterministic): H 128 T 4096 491 (531), causal 396 (471); T 16384 577 (588); H 64
 // T 1024 causal 190 (236); H 256 304 (395); GQA 32/8 causal 479 (479). The ordered adds
 // cost most where many key tiles meet one query tile early (causal, H 256's 64-key tiles).
+// These are the down walk's numbers (below); the up walk for causal and right windows is
+// not yet measured.
 //
 // A CTA of 3 warpgroups owns one key tile of one kv head. The copy warpgroup gives up its
 // registers (setmaxnreg 24): its warp 0 loads K and V once, then streams the steps (query
@@ -41,18 +43,39 @@
 // dS^T to shared memory, and each then accumulates dV, dK and dQ for head-dim columns
 // 128g..128g+127 (3 x 64 floats a thread); 2 slots (the 227 KB above).
 //
-// Determinism (deterministic = true): query tile m of query head n receives the adds of
-// the key tiles [lo, hi) that see it (Mask::KeyRange, exact for causal and windows, so the
-// range has no gaps and matches each key tile's walk) in increasing key-tile order: tile j
-// waits for semaphore == j - lo. No deadlock: a CTA only ever waits on CTAs of the same
-// (batch, kv head) with a lower key tile; the grid puts key tiles fastest, so those have
-// lower block indices, and blocks are dispatched in increasing index (in practice; the
-// programming model does not promise it), so whenever CTA j is resident its predecessors
-// are resident or done, and by induction on j each finishes. Within a CTA the writer warp
-// waits only on other CTAs and frees slots in step order. Query tiles are walked last
-// first: under the causal mask every key tile then starts on the tile all of them share,
-// the long (low) key tiles are the least delayed, and no key tile waits for a predecessor
-// that has more steps left before the same tile (docs/perf/attention.md section 2.4).
+// The walk and the dQ order (BwdWalkUp, StepCursor, DqRank; both modes walk alike). Query
+// tile m of query head n receives the adds of the key tiles of Mask::KeyRange's keys [lo,
+// hi) (exact for causal and windows: no gaps, and a key tile walks m iff it is among them).
+// A CTA walks its query tiles in the direction that makes the tiles' arrival order on m,
+// were all CTAs in lockstep, the order of the adds, so that a writer does not wait for a
+// predecessor that is still steps away from m:
+//  - up (causal, or a window's right side: a key tile's first query tile rises with it):
+//    query tiles first to last from the key tile's first, so key tile j reaches m at step
+//    ~(m - first(j)) x group, higher key tiles first; m takes the adds in decreasing key
+//    tile: j waits for semaphore == rank = (hi - 1) / kBlockN - j. Under the causal mask
+//    the previous order (down, increasing) had every key tile meet on the last query tile
+//    at once, key tile j then waiting j handoffs (~2 us each: poll, reduce, full
+//    completion, release) on every tile: deterministic 396 vs 471 TFLOP/s unordered.
+//  - down (everything else: no mask, segment ids alone, a left window alone, where a key
+//    tile's last query tile is the one that rises with it): last to first, increasing key
+//    tile: j waits for semaphore == j - lo / kBlockN. Without a mask all key tiles walk the
+//    same tiles in lockstep either way (an order that staggered them would be cyclic; see
+//    below).
+// Deterministic (deterministic = true): each writer waits for the query tile's semaphore to
+// equal its rank, adds, waits for full completion and publishes rank + 1. No deadlock: a
+// CTA only ever waits on CTAs of the same (batch, kv head) that come before it in its query
+// tile's order, and the grid puts key tiles fastest and, within a (batch, kv head), in that
+// order (decreasing key tile going up, increasing going down: MakeBwdTile), so its
+// predecessors have lower block indices. Blocks are dispatched in increasing index (in
+// practice; the programming model does not promise it), so whenever a CTA is resident its
+// predecessors are resident or done, and by induction on the block index each finishes,
+// whatever else holds SMs (no order may need a head's CTAs co-resident: a cyclic one
+// could hang behind another kernel). Within a CTA the writer waits only on other CTAs and
+// frees slots in step order. Going up, a head's shortest key tiles (causal: the last) come
+// first in the grid, so the grid's last CTAs are long ones: in a list-scheduling model
+// (in-order dispatch, a step a tick, 64 heads x 32 causal key tiles on 132 SMs) 554 ticks
+// against 548 long tiles first (512 the work / 132), a 1% longer tail, in both modes.
+// (The same model with a handoff costing a step: up 554 with no waits, down 709.)
 //
 // Segment ids (the maskable kernels, a runtime switch there: no extra instances). The copy
 // warp's 32 lanes cp.async the key tile's ids with K and V (counted on kv_full) and each
@@ -75,11 +98,11 @@
 // barriers. Spill stores in bytes, (plain, masked, softcap, masked + softcap), masked
 // kernels with the segment-id code:
 //   H = 128: 0, 0, 0, 0.
-//   H = 64:  56, 0, 56, 0, all in the copy warpgroup's 24-register code (SASS before the
-//            segment ids: the STL / LDL sat after USETMAXREG.DEALLOC), a few per step, not
-//            in the math loop. (Masked 52 before the segment ids; the reallocation took
-//            them out, not checked in SASS: no cuobjdump on the build machine.)
-//   H = 256: 20, 0, 20, 0: the copy warpgroup's (masked 12 / 16 before the segment ids).
+//   H = 64:  0, 0, 0, 0 (56, 0, 56, 0 before StepCursor counted up; those were in the copy
+//            warpgroup's 24-register code: in SASS before the segment ids the STL / LDL sat
+//            after USETMAXREG.DEALLOC, a few per step, not in the math loop).
+//   H = 256: 12, 0, 12, 0: the copy warpgroup's (20 before the counting-up StepCursor).
+// (No cuobjdump on the build machine: where the remaining spills sit is not checked.)
 // Without the two `asm volatile` launderings in the math loop (below) the unmasked H = 128
 // kernels spilled 180 bytes: the compiler hoisted loop-invariant swizzled offsets and
 // descriptor k-steps out of the loop and could not keep them.
@@ -192,24 +215,43 @@ struct BwdTile {
   Mask mask;
   int m_begin, m_end;  // 64-query tiles [m_begin, m_end)
   int steps;           // (m_end - m_begin) x the GQA group
+  // The walk's direction (BwdWalkUp): query tiles first to last, the adds of a query tile
+  // in decreasing key-tile order, and the key tiles of a (batch, kv head) in decreasing
+  // order in the grid. Otherwise last to first, increasing, increasing.
+  bool up;
   // The ids are copied and compared: the maskable kernel, segment ids given, and the batch
   // row not flagged as one segment (p.segment_uniform; then they mask nothing, whatever
   // the position masks do).
   bool segments;
 };
 
-// Key tiles fastest in the grid: the determinism argument (file comment) needs a key
-// tile's predecessors at lower block indices.
+// Whether the query tiles are walked first to last: where a key tile's first query tile
+// rises with the key tile (causal, or a window's right side; QueryRange), so that higher
+// key tiles reach a query tile first (file comment). The unmasked kernels have neither.
+// JAXGPU_BWD_WS_WALK_DOWN (a development define, for A/B timing in
+// tools/attention_ws_bwd_check.cu) keeps every mask on the last-first walk.
+template <bool kMaskable>
+__device__ __forceinline__ bool BwdWalkUp(const Mask& m) {
+#if defined(JAXGPU_BWD_WS_WALK_DOWN) && JAXGPU_BWD_WS_WALK_DOWN
+  return false;
+#else
+  return kMaskable && (m.causal || m.right >= 0);
+#endif
+}
+
+// The grid puts key tiles fastest and, within a (batch, kv head), in the order of the
+// ranks (DqRank): a key tile's predecessors at lower block indices (file comment).
 template <typename Tr, bool kMaskable>
 __device__ __forceinline__ BwdTile MakeBwdTile(const AttentionParams& p) {
   BwdTile t;
   const int n_tiles = static_cast<int>((p.kv_len + Tr::kBlockN - 1) / Tr::kBlockN);
   const int flat = static_cast<int>(blockIdx.x);
-  t.n_block = flat % n_tiles;
   const int kv_head = flat / n_tiles;
   t.kh = kv_head % static_cast<int>(p.kv_heads);
   t.b = kv_head / static_cast<int>(p.kv_heads);
   t.mask = MakeMask(p, t.b);
+  t.up = BwdWalkUp<kMaskable>(t.mask);
+  t.n_block = t.up ? n_tiles - 1 - flat % n_tiles : flat % n_tiles;
   t.n0 = t.n_block * Tr::kBlockN;
   const int n_last = min(t.n0 + Tr::kBlockN, t.mask.kv_len) - 1;
   const TileWalk walk = MakeTileWalk<false>(t.mask, t.n0, n_last, t.n0, n_last, Tr::kBlockM);
@@ -221,13 +263,33 @@ __device__ __forceinline__ BwdTile MakeBwdTile(const AttentionParams& p) {
   return t;
 }
 
-// The walk over steps: query tiles last first, the group's query heads inside.
+// The walk over steps, the one definition the copy warp, the math warpgroups and the dQ
+// writer all step through: the query tiles [m_begin, m_end) in the tile's direction, the
+// group's query heads r inside. The query tile is kept signed, m or -m going down, and
+// always counts up: the copy warp, in 24 registers, then needs no register for the
+// direction (one more spilled 4 bytes in every maskable kernel).
 struct StepCursor {
-  int m, r;
+  int signed_m, r;
+  __device__ __forceinline__ explicit StepCursor(const BwdTile& t)
+      : signed_m(t.up ? t.m_begin : 1 - t.m_end), r(0) {}
+  __device__ __forceinline__ int m() const { return abs(signed_m); }
   __device__ __forceinline__ void Next(int group) {
-    if (++r == group) r = 0, --m;
+    if (++r == group) r = 0, ++signed_m;
   }
 };
+
+// The key tile's place in the deterministic order of the adds into query tile m0 / kM:
+// that tile's key tiles are exactly those of KeyRange's keys [lo, hi) (the range is exact
+// for causal and windows, and each key tile's walk is QueryRange's, so a key tile walks the
+// query tile iff it holds one of those keys; both clamp to the sequences alike), and they
+// add in the order they arrive on the walk: going up, decreasing from the tile of key
+// hi - 1 (rank 0); going down, increasing from the tile of key lo.
+template <typename Tr>
+__device__ __forceinline__ int DqRank(const BwdTile& t, int m0) {
+  int lo, hi;
+  t.mask.KeyRange(m0, min(m0 + Tr::kBlockM, t.mask.q_len) - 1, &lo, &hi);
+  return t.up ? (hi - 1) / Tr::kBlockN - t.n_block : t.n_block - lo / Tr::kBlockN;
+}
 
 // A warp's packed 16-bit A fragments (PackProbs: kK / 16 k-steps of its 16 rows) stored
 // into a (rows, 64) SwizzledTile at rows row0.. (row0 = the warp's first row + g) and
@@ -326,10 +388,10 @@ __device__ __forceinline__ void MathWarpgroup(const AttentionParams& p, const Lo
 
     MbarrierWait(sm.kv_full(), 0);
     if (segments) keys_range = WarpSegmentRange(key_ids, 16, lane);
-    StepCursor cur{tile.m_end - 1, 0};
+    StepCursor cur(tile);
     for (int s = 0; s < tile.steps; ++s, cur.Next(static_cast<int>(p.group))) {
       const int st = s % kS;
-      const int m0 = cur.m * kM;
+      const int m0 = cur.m() * kM;
       // The lane, opaque to the compiler inside the loop: otherwise it hoists the ~30
       // swizzled store offsets derived from it out of the loop and spills them (unmasked
       // H = 128 kernels: 180 bytes); recomputing them is a few integer ops a step.
@@ -489,11 +551,11 @@ __device__ __forceinline__ void CopyWarp(const AttentionParams& p, const BwdMaps
     TmaLoadBoxes<Tr::kBlockN, kD>(sm.v(), &maps.v, sm.kv_full(), tile.kh, tile.n0, tile.b);
   }
   const int group = static_cast<int>(p.group);
-  StepCursor cur{tile.m_end - 1, 0};
+  StepCursor cur(tile);
   for (int s = 0; s < tile.steps; ++s, cur.Next(group)) {
     const int st = s % kS;
     if (s >= kS) MbarrierWait(sm.empty(st), static_cast<uint32_t>((s / kS - 1) & 1));
-    const int m0 = cur.m * kM;
+    const int m0 = cur.m() * kM;
     const int qh = tile.kh * group + cur.r;
     const int64_t stats = (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * p.q_len;
     if (tile.segments) {
@@ -526,20 +588,18 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
   const int group = static_cast<int>(p.group);
   const int m_tiles = static_cast<int>((p.q_len + kM - 1) / kM);
   const int dim = static_cast<int>(p.head_dim);
-  StepCursor cur{tile.m_end - 1, 0};
+  StepCursor cur(tile);
   for (int s = 0; s < tile.steps; ++s, cur.Next(group)) {
     const int st = s % kS;
-    const int m0 = cur.m * kM;
+    const int m0 = cur.m() * kM;
     const int qh = tile.kh * group + cur.r;
     int* sem = nullptr;
     int rank = 0;
     MbarrierWait(sm.dq_full(st), static_cast<uint32_t>((s / kS) & 1));
     if (deterministic) {
-      int lo, hi;
-      tile.mask.KeyRange(m0, min(m0 + kM, tile.mask.q_len) - 1, &lo, &hi);
-      rank = tile.n_block - lo / Tr::kBlockN;
-      sem =
-          semaphores + (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles + cur.m;
+      rank = DqRank<Tr>(tile, m0);
+      sem = semaphores + (static_cast<int64_t>(tile.b) * p.kv_heads * p.group + qh) * m_tiles +
+            cur.m();
       // Spin with a short back-off: dozens of writers poll L2 while a chain is long.
       while (LoadAcquireGpu(sem) != rank) __nanosleep(64);
       FenceProxyAsyncGlobal();  // the reductions below come after the predecessor's
