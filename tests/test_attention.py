@@ -449,14 +449,17 @@ def _no_extras():
 
 
 def _raw_fwd(q5, k, v, segs=None, out=None, extras=None, **kw):
+  """(o, lse); out: their shapes (the Hopper forward's tile_counter workspace, which the
+  CPU handler ignores, is passed empty)."""
   if out is None:
     b, t, kh, r, _ = q5.shape
     out = (jax.ShapeDtypeStruct(q5.shape, q5.dtype),
            jax.ShapeDtypeStruct((b, kh, r, t), jnp.float32))
+  out = tuple(out) + (jax.ShapeDtypeStruct((0,), jnp.int32),)
   empty = jnp.zeros((0,), jnp.int32)
   segs = (empty, empty) if segs is None else segs
   return jax.ffi.ffi_call(_target("fwd"), out)(
-      q5, k, v, *segs, *(_no_extras() if extras is None else extras), **_attrs(**kw))
+      q5, k, v, *segs, *(_no_extras() if extras is None else extras), **_attrs(**kw))[:2]
 
 
 _NO_WORKSPACES = (jax.ShapeDtypeStruct((0,), jnp.float32), jax.ShapeDtypeStruct((0,), jnp.int32))
