@@ -7,6 +7,7 @@
 //       "--generate-code=arch=compute_90a,code=[sm_90a]" -o /tmp/awc \
 //       tools/attention_ws_check.cu ffi/attention/sm90/fwd_ws_sm90.cu && /tmp/awc [--no-time]
 //       [--ping-pong] [--persistent | --no-persistent | --dynamic] [--group-heads N]
+//       [--time-options]
 //
 // Without a flag each call runs the default schedule (DefaultWsFwdSchedule); the flags force
 // one, and need -DJAXGPU_DEV_KNOBS=1 (which compiles every schedule: 6x the compile time).
@@ -310,10 +311,11 @@ void Time(const Case& c) {
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   std::vector<float> ms;
+  const auto schedule = Schedule(p);
   for (int rep = 0; rep < 23; ++rep) {
     CK(cudaEventRecord(e0));
-    if (g_dynamic) CK(cudaMemsetAsync(g_counter, 0, sizeof(int), nullptr));
-    CK(Launch(p, Schedule(p)));
+    if (schedule.dynamic) CK(cudaMemsetAsync(g_counter, 0, sizeof(int), nullptr));
+    CK(Launch(p, schedule));
     CK(cudaEventRecord(e1));
     SyncOrDie(nullptr, 20.0, c.Name());
     float t = 0;
@@ -324,7 +326,7 @@ void Time(const Case& c) {
   const double t = ms[ms.size() / 2] * 1e-3;
   const double flops = 4.0 * c.b * n * c.t * c.s * c.h * (c.causal ? 0.5 : 1.0);
   std::printf("time %s: %.1f us, %.0f TFLOP/s", c.Name().c_str(), t * 1e6, flops / t * 1e-12);
-  if (g_dynamic) {  // the order's heads a group (a causal call's; otherwise 1)
+  if (schedule.dynamic) {  // the order's heads a group (a causal call's; otherwise 1)
     std::printf(", %d heads a group", g_group_heads > 0
                                           ? g_group_heads
                                           : jaxgpu::cuda::attention::sm90::DynamicGroupHeads(p));
@@ -336,10 +338,29 @@ void Time(const Case& c) {
 
 }  // namespace
 
+// The options case of benchmarks/bench_attention.py (B4 T4096 N16 H128, not causal) taken
+// apart: each option alone and all three, none of them masking anything (the window spans
+// the sequence, the segment ids are one segment), so each costs only its own work; three
+// interleaved rounds.
+void TimeOptions() {
+  const Case plain{4, 4096, 4096, 16, 1, 128};
+  Case softcap = plain, window = plain, segments = plain, all = plain;
+  softcap.softcap = 30.f;
+  window.left = window.right = 4096;
+  segments.segment = 100000;
+  all.softcap = 30.f;
+  all.left = all.right = 4096;
+  all.segment = 100000;
+  for (int round = 0; round < 3; ++round) {
+    for (const Case& c : {plain, softcap, window, segments, all}) Time(c);
+  }
+}
+
 int main(int argc, char** argv) {
-  bool time = true;
+  bool time = true, time_options = false;
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) time = false;
+    if (std::strcmp(argv[i], "--time-options") == 0) time_options = true;
     if (std::strcmp(argv[i], "--ping-pong") == 0) g_ping_pong = true;
     if (std::strcmp(argv[i], "--persistent") == 0) g_persistent = 1;
     if (std::strcmp(argv[i], "--no-persistent") == 0) g_persistent = -1;
@@ -356,6 +377,10 @@ int main(int argc, char** argv) {
   if (g_group_heads > 0) std::printf("heads a group: %d\n", g_group_heads);
   CK(cudaMalloc(&g_counter, jaxgpu::cuda::attention::sm90::kWsFwdWorkspaceBytes));
   CK(cudaMemset(g_counter, 0, jaxgpu::cuda::attention::sm90::kWsFwdWorkspaceBytes));
+  if (time_options) {  // timings only
+    TimeOptions();
+    return 0;
+  }
   std::mt19937 rng(20261127);
   int failed = 0, total = 0;
   std::vector<Case> cases = {
