@@ -248,7 +248,10 @@ def test_xla_implementation_ignores_the_hook():
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(forced))
 
 
-def _raw_cpu_fwd(q5, k, v, counter=jax.ShapeDtypeStruct((0,), jnp.int32), **attrs):
+_NO_TILE_COUNTER = jax.ShapeDtypeStruct((0,), jnp.int32)
+
+
+def _raw_cpu_fwd(q5, k, v, counter=_NO_TILE_COUNTER, **attrs):
   """The CPU forward target called directly with exactly `attrs` (and the tile counter
   workspace `counter`, which only the CUDA forward uses)."""
   b, t, kh, r, _ = q5.shape

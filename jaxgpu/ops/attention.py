@@ -44,14 +44,16 @@ heads of each kv head) and delta, a float32 workspace of B*N*T; with segment ids
 causal mask or window, the per-row flag `uniform` (4 bytes per batch row). On Hopper (the
 fused backward, `_warp_specialized`: no bias, mask or lengths; segment ids are taken), a
 float32 dQ accumulator of q's shape (twice q's bytes in bf16: the kernel adds each key
-tile's dQ into it) and an int32 semaphore per query row and head (the adds' fixed order);
-elsewhere both are empty. No T x S array exists in either pass. With H % 8 != 0 (kernels
-only), zero-padded copies of q, k and v are made (and kept as the residuals instead of the
-inputs), and o, dq, dk, dv are sliced copies of padded results (do is padded too). Under
-vmap, an unbatched operand next to batched ones is broadcast to the batch (a copy), as its
-results are per example anyway; so is a batched bias or mask that broadcasts over B. The
-gradient of an unbatched bias shared by the batch (a (1, ...) bias) under vmap is per
-example: those backward calls run one example at a time (lax.map).
+tile's dQ into it) and an int32 semaphore per query row and head (the adds' fixed order;
+none with deterministic=False); elsewhere both are empty. The forward there gets a 4-byte
+workspace too: the counter its persistent grid draws causal and windowed tiles from.
+No T x S array exists in either pass. With H % 8 != 0 (kernels only), zero-padded copies of q, k
+and v are made (and kept as the residuals instead of the inputs), and o, dq, dk, dv are
+sliced copies of padded results (do is padded too). Under vmap, an unbatched operand next to
+batched ones is broadcast to the batch (a copy), as its results are per example anyway; so
+is a batched bias or mask that broadcasts over B. The gradient of an unbatched bias shared
+by the batch (a (1, ...) bias) under vmap is per example: those backward calls run one
+example at a time (lax.map).
 
 Sharding (jit with sharded inputs, shard_map, pmap). The group axis of the transform stack
 (jaxgpu/_kernel_op.py) is B. Factors: q, o, do, dq "g t k r h"; k, v, dk, dv "g s k h";
@@ -619,10 +621,12 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
       integer ids (converted to int32), both or neither: query i sees key j only when their
       ids are equal (packed sequences).
     deterministic: static bool. True (the default): the gradients are bitwise reproducible
-      (every sum in a fixed order). False lets the fused Hopper backward (no segment ids,
-      bias, mask or lengths) add each key tile's float32 dQ partial sums in the order the
-      tiles finish, without waiting for its turn: dq may differ in its last bits from run
-      to run; dk, dv and the forward are unchanged. Elsewhere it changes nothing.
+      (every sum in a fixed order). False lets the fused Hopper backward (no bias, mask
+      or lengths) add each key tile's float32 dQ partial sums in the order the tiles
+      finish, without waiting for its turn (up to 27% faster backward at H 256, 9% at
+      H 128 without a mask; docs/perf/attention.md section 12.2): dq may differ in its last
+      bits from run to run; dk, dv and the forward are unchanged. Elsewhere it changes
+      nothing.
 
   Returns:
     query's shape, in query's dtype. Every option combines with the others and with GQA.
@@ -654,15 +658,16 @@ def dot_product_attention(query, key, value, bias=None, mask=None, *, scale=None
     out = jnp.einsum("bnts,bsnh->btnh", p.astype(value.dtype), v,
                      preferred_element_type=jnp.float32).astype(query.dtype)
 
-  Memory (see the module docstring): the forward pass allocates o and a float32
-  log-sum-exp of B*N*T, kept for the backward pass with q, k, v, and the bias, mask,
-  lengths and segment ids (the inputs themselves, no copies); the backward pass allocates
-  dq, dk, dv and a float32 workspace of B*N*T (on Hopper without a bias, mask
-  or lengths also a float32 dQ accumulator of q's shape and an int32 per query row and
-  head: the fused backward's), and, when the bias is differentiated, a
-  float32 dbias of the bias's own shape (the kernels' accumulator; where the bias
-  broadcasts over some dim, the contributions are added into it atomically) cast to the
-  bias's dtype. No T x S array and no broadcast copy of the bias or mask, in either pass.
+  Memory (see the module docstring): the forward pass allocates o and a float32 log-sum-exp
+  of B*N*T (on Hopper also a 4-byte tile counter), kept for the backward pass with q, k, v,
+  and the bias, mask, lengths and segment ids (the inputs themselves, no copies); the
+  backward pass allocates dq, dk, dv and a float32 workspace of B*N*T (on Hopper without a
+  bias, mask or lengths also a float32 dQ accumulator of q's shape and, unless
+  deterministic=False, an int32 per query row and head: the fused backward's), and, when the
+  bias is differentiated, a float32 dbias of the bias's own shape (the kernels' accumulator;
+  where the bias broadcasts over some dim, the contributions are added into it atomically)
+  cast to the bias's dtype. No T x S array and no broadcast copy of the bias or mask, in
+  either pass.
   For H % 8 != 0 the kernels run on zero-padded copies of q, k, v (and do).
 
   Gradients for query, key and value come from one backward kernel (dk and dv already
