@@ -2,7 +2,14 @@
 // (ffi/matmul/qlinear_kernels.cu) against a float64 host reference:
 //
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/qc \
-//       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu && /tmp/qc [--no-time]
+//       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu && /tmp/qc [--no-time] [--gemv]
+//
+// --gemv: the correctness suite (plus cases for its M <= 8 shapes) through the GEMV kernel
+// (LaunchQLinearPath kGemv; ineligible cases run the staged kernel and are counted apart),
+// and the speed table times both kernels on the same inputs (launches interleaved) side by
+// side. One case under Nsight Compute (the GEMV kernel of int4 g128 8192 x 28672, M = 1):
+//   ncu --set full -k regex:QLinearGemvKernel -c 1 -o /tmp/qgemv /tmp/qc --gemv --one
+// (--one: only int4 K = 8192 at M = 1 and 16; the staged kernel: -k regex:QLinearKernel).
 //
 // Correctness: random x, q, scales, zeros and bias, packed on the host with QPackedAt, for
 // bf16 / f16 x int4 / int8, odd sizes, every activation, batched groups with shared or
@@ -60,8 +67,11 @@ struct Case {
   int ws_mode;  // 0: QLinearWorkspaceFloats, 1: none, 2: small (2 splits' worth)
 };
 
+// The kernel the correctness cases ask for (--gemv: kGemv).
+jaxgpu::cuda::QLinearPath g_path = jaxgpu::cuda::QLinearPath::kAuto;
+
 struct Totals {
-  int cases = 0, failed = 0;
+  int cases = 0, failed = 0, gemv = 0;
   double worst_ratio = 0, worst_rel = 0;
 };
 
@@ -136,13 +146,15 @@ void RunCase(const Case& c, std::mt19937& rng, Totals& tot, bool verbose) {
   p.y = dy;
   p.workspace = dws;
   p.workspace_floats = ws;
-  CK(jaxgpu::cuda::LaunchQLinear(p, 0));
+  if (g_path == jaxgpu::cuda::QLinearPath::kGemv && jaxgpu::cuda::QLinearGemvEligible(p))
+    tot.gemv++;
+  CK(jaxgpu::cuda::LaunchQLinearPath(p, 0, g_path));
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> y(G * M * N), y2(G * M * N);
   CK(cudaMemcpy(y.data(), dy, y.size() * 2, cudaMemcpyDeviceToHost));
   // Determinism: a second run must match bitwise.
   CK(cudaMemset(dy, 0, G * M * N * 2));
-  CK(jaxgpu::cuda::LaunchQLinear(p, 0));
+  CK(jaxgpu::cuda::LaunchQLinearPath(p, 0, g_path));
   CK(cudaDeviceSynchronize());
   CK(cudaMemcpy(y2.data(), dy, y2.size() * 2, cudaMemcpyDeviceToHost));
   const bool deterministic = std::memcmp(y.data(), y2.data(), y.size() * 2) == 0;
@@ -255,8 +267,11 @@ __global__ void FillHalf(T* p, int64_t n, float lo, float hi, uint32_t seed) {
   }
 }
 
-double TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_t M, int64_t gs, bool zeros,
-                double* gbps) {
+// Median us of each path in `paths` on the same inputs (launches interleaved); *gbps of the
+// first.
+std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_t M, int64_t gs,
+                             bool zeros, const std::vector<jaxgpu::cuda::QLinearPath>& paths,
+                             double* gbps) {
   const int64_t KT = jaxgpu::QTilesK(K), NT = jaxgpu::QTilesN(N), R = K / gs;
   const int64_t words = KT * NT * jaxgpu::QWordsPerTile(bits);
   constexpr int kBuffers = 2;
@@ -315,24 +330,29 @@ double TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_t M, int64_t 
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
-  std::vector<float> times;
+  std::vector<std::vector<float>> times(paths.size());
   for (int it = 0; it < 36; ++it) {
-    const int b = it % kBuffers;
-    p.packed = packed[b];
-    p.scales = scales[b];
-    p.zeros = zp[b];
-    CK(cudaEventRecord(e0));
-    CK(jaxgpu::cuda::LaunchQLinear(p, 0));
-    CK(cudaEventRecord(e1));
-    CK(cudaEventSynchronize(e1));
-    float ms = 0;
-    CK(cudaEventElapsedTime(&ms, e0, e1));
-    if (it >= 6) times.push_back(ms * 1000.f);
+    for (size_t pi = 0; pi < paths.size(); ++pi) {
+      const int b = (it + int(pi)) % kBuffers;
+      p.packed = packed[b];
+      p.scales = scales[b];
+      p.zeros = zp[b];
+      CK(cudaEventRecord(e0));
+      CK(jaxgpu::cuda::LaunchQLinearPath(p, 0, paths[pi]));
+      CK(cudaEventRecord(e1));
+      CK(cudaEventSynchronize(e1));
+      float ms = 0;
+      CK(cudaEventElapsedTime(&ms, e0, e1));
+      if (it >= 6) times[pi].push_back(ms * 1000.f);
+    }
   }
-  std::sort(times.begin(), times.end());
-  const double us = times[times.size() / 2];
+  std::vector<double> us(paths.size());
+  for (size_t pi = 0; pi < paths.size(); ++pi) {
+    std::sort(times[pi].begin(), times[pi].end());
+    us[pi] = times[pi][times[pi].size() / 2];
+  }
   const double bytes = double(words) * 4 + double(R * N) * 2 + (zeros ? double(R * N) : 0.0);
-  *gbps = bytes / (us * 1e-6) / 1e9;
+  *gbps = bytes / (us[0] * 1e-6) / 1e9;
   for (int b = 0; b < kBuffers; ++b) {
     cudaFree(packed[b]);
     cudaFree(scales[b]);
@@ -350,13 +370,16 @@ double TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_t M, int64_t 
 
 int main(int argc, char** argv) {
   bool do_time = true, verbose = false, do_check = true, quick = false, one = false;
+  bool gemv = false;
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-time") do_time = false;
     if (std::string(argv[i]) == "-v") verbose = true;
     if (std::string(argv[i]) == "--time-only") do_check = false;
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--one") one = true, do_check = false;
+    if (std::string(argv[i]) == "--gemv") gemv = true;
   }
+  if (gemv) g_path = jaxgpu::cuda::QLinearPath::kGemv;
   std::mt19937 rng(12345);
   Totals tot;
   const QActivation acts[] = {QActivation::kNone, QActivation::kRelu, QActivation::kGeluTanh,
@@ -405,6 +428,40 @@ int main(int argc, char** argv) {
           }
         }
       }
+      // The GEMV kernel's shapes: M <= 8, group_size a multiple of 64 or K; K from one tile
+      // to several rounds per block (ws_mode 1: no workspace, so no split), N across block
+      // edges, shared or per-group weights.
+      for (int64_t M : {1, 2, 5, 8}) {
+        if (!gemv) break;
+        for (int64_t K : {64, 192, 640, 4096}) {
+          for (int64_t N : {1, 17, 200, 3000}) {
+            const int64_t gs =
+                (idx % 3 == 0 || K % 128 != 0) ? (K % 64 == 0 && idx % 2 ? 64 : K) : 128;
+            Case c{dt,
+                   bits,
+                   1,
+                   1,
+                   int64_t(idx % 3 == 1 ? 0 : 1),
+                   M,
+                   K,
+                   N,
+                   gs,
+                   (idx / 2) % 2 == 0,
+                   acts[idx % 5],
+                   idx % 3};
+            RunCase(c, rng, tot, verbose);
+            ++idx;
+          }
+        }
+      }
+      for (int64_t Gw : {1, 3}) {
+        if (!gemv) break;
+        for (int ws_mode : {0, 1, 2}) {
+          Case c{dt, bits, 3, Gw, 3, 7, 8192 + 64, 530, 64, (idx % 2) == 0, acts[idx % 5], ws_mode};
+          RunCase(c, rng, tot, verbose);
+          ++idx;
+        }
+      }
       for (int ws_mode : {0, 1, 2}) {
         Case c{dt, bits, 2, 2, 2, 4, 8192, 48, 64, true, QActivation::kSilu, ws_mode};
         RunCase(c, rng, tot, verbose);
@@ -415,12 +472,18 @@ int main(int argc, char** argv) {
   }
   if (do_check)
     std::printf(
-        "correctness: %d cases, %d failed; worst err/tol %.3g, worst max err / max|y| %.3g\n",
-        tot.cases, tot.failed, tot.worst_ratio, tot.worst_rel);
+        "correctness: %d cases (%d on the GEMV kernel), %d failed; worst err/tol %.3g, worst max "
+        "err / max|y| %.3g\n",
+        tot.cases, tot.gemv, tot.failed, tot.worst_ratio, tot.worst_rel);
   if (!do_time) return tot.failed ? 1 : 0;
 
   std::printf("\ntiming (median of 30, us; weight GB/s = (packed + scales + zeros) / time)\n");
-  std::printf("%-34s %6s %10s %10s\n", "case", "M", "us", "GB/s");
+  if (gemv) {
+    std::printf("%-44s %6s %10s %10s %10s %8s\n", "case", "M", "staged us", "GB/s", "gemv us",
+                "speedup");
+  } else {
+    std::printf("%-44s %6s %10s %10s\n", "case", "M", "us", "GB/s");
+  }
   struct TC {
     const char* name;
     DType dt;
@@ -440,10 +503,19 @@ int main(int argc, char** argv) {
         if (quick && (M == 4 || M == 256 || tc.dt == DType::kF16 || tc.gs == 128 && tc.bits == 8))
           continue;
         double gbps = 0;
-        const double us = TimeCase(tc.dt, tc.bits, K, N, M, tc.gs ? tc.gs : K, tc.zeros, &gbps);
+        const bool both = gemv && M <= 8;
+        std::vector<jaxgpu::cuda::QLinearPath> paths = {jaxgpu::cuda::QLinearPath::kStaged};
+        if (both) paths.push_back(jaxgpu::cuda::QLinearPath::kGemv);
+        const std::vector<double> us =
+            TimeCase(tc.dt, tc.bits, K, N, M, tc.gs ? tc.gs : K, tc.zeros, paths, &gbps);
         char name[96];
         std::snprintf(name, sizeof(name), "%s K=%lld N=%lld", tc.name, (long long)K, (long long)N);
-        std::printf("%-44s %6lld %10.1f %10.0f\n", name, (long long)M, us, gbps);
+        if (both) {
+          std::printf("%-44s %6lld %10.1f %10.0f %10.1f %7.2fx\n", name, (long long)M, us[0], gbps,
+                      us[1], us[0] / us[1]);
+        } else {
+          std::printf("%-44s %6lld %10.1f %10.0f\n", name, (long long)M, us[0], gbps);
+        }
         std::fflush(stdout);
       }
     }

@@ -19,6 +19,17 @@ namespace jaxgpu::cuda {
 // safe inside CUDA graph capture. Results are bitwise reproducible run to run.
 cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 
+// Which kernel LaunchQLinearPath runs. kAuto: the staged kernel (cp.async ring through
+// shared memory), or in a JAXGPU_DEV_KNOBS build the GEMV kernel where the knob
+// JAXGPU_QLINEAR_GEMV=1 asks for it; kStaged: the staged kernel; kGemv: the GEMV kernel
+// (weights straight into registers) where QLinearGemvEligible(p), else the staged one.
+// Both follow qlinear_params.h's math exactly; their float32 sums run in different orders.
+enum class QLinearPath : int { kAuto = 0, kStaged = 1, kGemv = 2 };
+cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLinearPath path);
+
+// Whether the GEMV kernel serves p: M <= 8 and group_size a multiple of 64 or K.
+bool QLinearGemvEligible(const QLinearParams& p);
+
 // The float32 workspace LaunchQLinear can use for (groups, m, n) outputs: at most 32
 // splits of groups x m x n partial sums, capped at 2^22 floats (16 MiB); 0 for an empty
 // output. Passing less is allowed (fewer splits).

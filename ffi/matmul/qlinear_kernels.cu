@@ -60,6 +60,7 @@
 #include "common/cuda_dispatch.cuh"
 #include "common/cuda_utils.cuh"
 #include "attention/sm80/mma.cuh"
+#include "common/dev_knobs.h"
 #include "common/fast_div.cuh"
 #include "matmul/qlinear_cuda.h"
 #include "matmul/qlinear_params.h"
@@ -726,6 +727,446 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
   });
 }
 
+// ---- The GEMV path (M <= 8): weights straight from global memory into registers ----
+//
+// Mapping. A block of 8 warps owns nb n-tiles (a run of the n-tiles) and one K span of
+// kw * kKS k tiles (kKS = 4 at int4, 2 at int8); its warps are kw k-slices x nw n-groups
+// (kw * nw = 8, kw the smallest power of two whose slices cover K, at most 8). Warp
+// (ks, ng) loads the B fragments of x for its kKS k tiles into registers once, then walks
+// the block's n-tiles ng, ng + nw, ... over its k-slice. No shared memory, cp.async or
+// barrier stands in the weight path: every lane loads its own 16 (int4) or 32 (int8)
+// contiguous bytes of a tile with 128-bit ld.global.nc (L1 no-allocate) into a register
+// ring kDepth = 2 n-tiles (2 kKS tiles: 4 KiB a warp, int4 and int8) ahead of its use; a
+// tile's registers are refilled with the tile 2 n-tiles later as soon as they are
+// dequantized. x is one mma n8 token tile (M <= 8): a second one (M <= 16) would need
+// 32 more registers at int4, past the 128 of 2 blocks per SM.
+// Scales and zeros. At the start the block copies the scale / zero rows its k span touches
+// (cp.async, while the first weight loads are in flight), then turns them into the Dequant
+// constants of each (row, n-tile, gq) (Dequant::Load; a 16-byte entry for h = 0 and 1) in
+// shared memory; a lane reads one entry (LDS.128) per tile.
+// Reduction. After each n-tile a warp stores its 16 x M partial sums into its own slot of
+// a shared float buffer [ks][n-tile][token][feature]; at the end the block sums the kw
+// slots in ks order and either finishes y (one K span) or writes its split's partial sums
+// to the workspace for QLinearReduceKernel: bitwise deterministic. Every K span is its own
+// split, so the path needs a workspace of one partial sum per span (GemvEligible; the
+// staged kernel serves the rest).
+template <int kBits>
+struct GemvConfig {
+  static constexpr int kKS = kBits == 4 ? 4 : 2;     // k tiles per warp slice
+  static constexpr int kDepth = 2;                   // n-tiles of loads in flight per warp
+  static constexpr int kWPL = QWordsPerLane(kBits);  // 32-bit words per lane per tile
+  static constexpr int kWPT = QWordsPerTile(kBits);  // words per tile
+};
+constexpr int kGemvMaxM = 8;
+constexpr int kGemvMinBlocks = 2;            // resident blocks per SM: <= 128 registers
+constexpr int kGemvSmemBudget = 100 * 1024;  // shared bytes per block (2 per SM on an H100)
+constexpr int kGemvEntryBytes = 16;          // Dequant constants of (row, n-tile, gq)
+
+struct GemvArgs {
+  QLinearParams p;
+  int64_t kt, nt;       // k tiles, n tiles
+  int kw, nw;           // warps per block: kw k-slices x nw n-groups
+  int nb;               // n-tiles per block
+  int nblocks;          // blocks along N
+  int splits;           // K splits over the grid (one per block's k span)
+  int round_tiles;      // k tiles per block: kw * kKS
+  int scale_rows;       // K / group_size
+  int tiles_per_group;  // group_size / 64 (unused when scale_rows == 1)
+  int slab_rows;        // scale rows a block's k span can touch
+  int out_off;          // byte offset of the partial-sum buffer in shared memory
+  int raw_off;          // byte offsets of the raw scale rows (slab_rows x nb * 16 T) and
+  int raw_z_off;        //   zero rows (uint8) of a round
+  bool fast_s;          // scale / zero rows 16 / 8-byte aligned (N % 8 == 0): cp.async
+  bool x_pairs;         // K even and x 4-byte aligned: x pairs as one 32-bit load
+};
+
+// The scale row of k tile kt (tile groups: whole tiles per group).
+__device__ __forceinline__ int GemvRowOf(const GemvArgs& a, int kt) {
+  return a.scale_rows == 1 ? 0 : kt / a.tiles_per_group;
+}
+
+// One lane's words of a tile (kWPL / 4 128-bit loads), only where `pred`: non-coherent,
+// no L1 allocation (each byte is read once). volatile keeps the loads where the ring puts
+// them (ahead of the math that would otherwise pull them next to their use).
+template <int kWPL>
+__device__ __forceinline__ void GemvLoadTile(uint32_t (&w)[kWPL], const int32_t* src, bool pred) {
+#pragma unroll
+  for (int h = 0; h < kWPL / 4; ++h) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, %5, 0;\n"
+        "@p ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];\n}\n"
+        : "+r"(w[4 * h]), "+r"(w[4 * h + 1]), "+r"(w[4 * h + 2]), "+r"(w[4 * h + 3])
+        : "l"(src + 4 * h), "r"(int(pred)));
+  }
+}
+
+__device__ __forceinline__ uint4 LdShared128(uint32_t at) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];\n"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "r"(at));
+  return v;
+}
+__device__ __forceinline__ void StShared(uint32_t at, float v) {
+  asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(v) : "memory");
+}
+
+template <typename T, int kBits>
+__global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(const GemvArgs a) {
+  using GC = GemvConfig<kBits>;
+  using D = Dequant<T, kBits>;
+  constexpr int kKS = GC::kKS, kDepth = GC::kDepth, kWPL = GC::kWPL, kWPT = GC::kWPT;
+  extern __shared__ __align__(16) unsigned char smem[];
+  const QLinearParams& p = a.p;
+
+  int64_t bid = blockIdx.x;
+  const int nblk = int(bid % a.nblocks);
+  bid /= a.nblocks;
+  const int split = int(bid % a.splits);
+  const int64_t g = bid / a.splits;
+  const int64_t gw = p.weight_groups == 1 ? 0 : g;
+  const int M = int(p.m);
+  const int64_t K = p.k, N = p.n, KT = a.kt, NT = a.nt;
+  const int64_t nt0 = int64_t(nblk) * a.nb;
+  const int nbl = int(NT - nt0 < a.nb ? NT - nt0 : a.nb);  // n-tiles of this block
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int gq = lane >> 2, tq = lane & 3;
+  const int ks = warp % a.kw, ng = warp / a.kw;
+  const int cnt = ng < nbl ? (nbl - ng + a.nw - 1) / a.nw : 0;  // n-tiles this warp walks
+  const int kt_s0 = split * a.round_tiles;
+  const int kt_s1 = int(kt_s0 + a.round_tiles < KT ? kt_s0 + a.round_tiles : KT);
+  const bool has_zeros = p.zeros != nullptr;
+
+  uint4* slab = reinterpret_cast<uint4*>(smem);
+  const float* out = reinterpret_cast<const float*>(smem + a.out_off);
+  const uint32_t slab_s = Smem(smem), out_s = Smem(smem + a.out_off);
+  const uint32_t raw_s = Smem(smem + a.raw_off), raw_z = Smem(smem + a.raw_z_off);
+  const int kF = a.nb * kQTileN;  // features per raw row
+  const int64_t n0 = nt0 * kQTileN;
+  const int32_t* w_lane = p.packed + gw * KT * NT * kWPT + lane * kWPL;
+  const int64_t kstride = NT * kWPT;             // words between k tiles
+  const int64_t nstride = int64_t(a.nw) * kWPT;  // words between this warp's n-tiles
+  const T* xg = static_cast<const T*>(p.x) + g * M * K;
+  const uint16_t* sg = static_cast<const uint16_t*>(p.scales) + gw * a.scale_rows * N;
+  const uint8_t* zg = has_zeros ? p.zeros + gw * a.scale_rows * N : nullptr;
+
+  {
+    const int kr0 = kt_s0, kr1 = kt_s1;
+    const int kw0 = kr0 + ks * kKS;  // the warp's first k tile
+    uint32_t kvalid = 0;
+#pragma unroll
+    for (int kk = 0; kk < kKS; ++kk) kvalid |= (kw0 + kk < kr1 ? 1u : 0u) << kk;
+
+    // 1. The raw scale / zero rows row0 .. row0 + nrows - 1 of the block's features into
+    // shared memory (cp.async: no registers held; zero past N).
+    const int row0 = GemvRowOf(a, kr0);
+    const int nrows = GemvRowOf(a, kr1 - 1) - row0 + 1;
+    {
+      const int chunks = nrows * nbl * 2;  // 8 features each
+#pragma unroll 1
+      for (int c = threadIdx.x; c < chunks; c += kThreads) {
+        const int row = c / (nbl * 2), f = c % (nbl * 2) * 8;
+        const bool ok = n0 + f < N;
+        const int64_t at = ok ? (row0 + row) * N + n0 + f : 0;
+        if (a.fast_s) {
+          CpAsync(raw_s + uint32_t((row * kF + f) * 2), sg + at, ok);
+          if (has_zeros) CpAsync8(raw_z + uint32_t(row * kF + f), zg + at, ok);
+        } else {
+          uint16_t* rs = reinterpret_cast<uint16_t*>(smem + a.raw_off) + row * kF + f;
+          uint8_t* rz = smem + a.raw_z_off + row * kF + f;
+#pragma unroll 1
+          for (int e = 0; e < 8; ++e) {
+            const bool oke = n0 + f + e < N;
+            rs[e] = oke ? sg[at + e] : uint16_t(0);
+            if (has_zeros) rz[e] = oke ? zg[at + e] : uint8_t(0);
+          }
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+
+    // 2. The first kDepth n-tiles of weights: in flight while x and the scales load.
+    const int32_t* w_warp = w_lane + (int64_t(kw0) * NT + nt0 + ng) * kWPT;
+    uint32_t w[kDepth][kKS][kWPL];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d)
+#pragma unroll
+      for (int kk = 0; kk < kKS; ++kk) {
+#pragma unroll
+        for (int i = 0; i < kWPL; ++i) w[d][kk][i] = 0u;
+        GemvLoadTile<kWPL>(w[d][kk], w_warp + kk * kstride + d * nstride,
+                           (kvalid >> kk & 1u) && d < cnt);
+      }
+
+    // 3. x's B fragments of the warp's k-slice: token gq, k pairs 2 tq (+ 8) of each k16
+    // step; zero past M and past K.
+    uint32_t xb[kKS][4][2];
+    {
+      const int64_t kl0 = int64_t(kw0) * kQTileK + 2 * tq;
+      const T* xr = xg + int64_t(gq < M ? gq : 0) * K + kl0;
+      const int64_t left = gq < M ? K - kl0 : 0;  // x elements of the row from xr on
+      const int lim = left < kKS * kQTileK ? int(left) : kKS * kQTileK;
+      const unsigned short* xh = reinterpret_cast<const unsigned short*>(xr);
+      if (a.x_pairs) {
+        const unsigned int* xw = reinterpret_cast<const unsigned int*>(xr);
+#pragma unroll
+        for (int kk = 0; kk < kKS; ++kk)
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int hb = 0; hb < 2; ++hb) {
+              const int o = kk * kQTileK + 16 * s + 8 * hb;
+              xb[kk][s][hb] = o < lim ? __ldg(xw + o / 2) : 0u;
+            }
+      } else {
+#pragma unroll
+        for (int kk = 0; kk < kKS; ++kk)
+#pragma unroll
+          for (int s = 0; s < 4; ++s)
+#pragma unroll
+            for (int hb = 0; hb < 2; ++hb) {
+              const int o = kk * kQTileK + 16 * s + 8 * hb;
+              const uint32_t lo = o < lim ? __ldg(xh + o) : 0u;
+              const uint32_t hi = o + 1 < lim ? __ldg(xh + o + 1) : 0u;
+              xb[kk][s][hb] = lo | hi << 16;
+            }
+      }
+    }
+
+    // 4. The raw rows turned into the Dequant constants of each (row, n-tile, gq): one
+    // 16-byte entry (h = 0 and 1) per lane and tile in the loop.
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+    {
+      const uint16_t* rs = reinterpret_cast<const uint16_t*>(smem + a.raw_off);
+      const uint8_t* rz = smem + a.raw_z_off;
+#pragma unroll 1
+      for (int e = threadIdx.x; e < nrows * nbl * 8; e += kThreads) {
+        const int row = e / (nbl * 8), rem = e % (nbl * 8);
+        D dq;
+        dq.Load(rs + row * kF, rz + row * kF, rem / 8 * kQTileN + rem % 8, has_zeros);
+        uint4 v;
+        if constexpr (D::kFloatPath) {
+          v = make_uint4(__float_as_uint(dq.scalef[0]), __float_as_uint(dq.negf[0]),
+                         __float_as_uint(dq.scalef[1]), __float_as_uint(dq.negf[1]));
+        } else {
+          v = make_uint4(dq.scale[0], dq.neg[0], dq.scale[1], dq.neg[1]);
+        }
+        slab[((rem / 8) * a.slab_rows + row) * 8 + rem % 8] = v;
+      }
+    }
+    __syncthreads();
+
+    // The slab is n-tile major ([j][row][gq]): the entry of the warp's k tile kk in n-tile j
+    // is slab_w + j * slab_rows * 128 + (byte kk of rows4) * 128 (tiles past the split read
+    // the last row; their x is zero, so they add exact zeros).
+    uint32_t rows4 = 0;  // byte kk: the row of k tile kk less the row of tile 0
+#pragma unroll
+    for (int kk = 1; kk < kKS; ++kk) {
+      const int kt = kw0 + kk < kr1 ? kw0 + kk : kr1 - 1;
+      rows4 |= uint32_t(GemvRowOf(a, kt) - GemvRowOf(a, kw0 < kr1 ? kw0 : kr1 - 1)) << (8 * kk);
+    }
+    const uint32_t slab_w =
+        slab_s +
+        uint32_t(((GemvRowOf(a, kw0 < kr1 ? kw0 : kr1 - 1) - row0) * 8 + gq) * kGemvEntryBytes);
+
+    // 4. The n-tiles: dequantize, refill the ring, mma. No branch per tile: a tile past the
+    // split (only past K, where x is zero) is not loaded (its registers stay zero) but
+    // multiplied like the others; the Dequant constants are read for every tile (one
+    // LDS.128), cheaper than testing whether its group changed.
+#pragma unroll 1
+    for (int i0 = 0; i0 < cnt; i0 += kDepth) {
+#pragma unroll
+      for (int d = 0; d < kDepth; ++d) {
+        const int i = i0 + d;
+        if (i >= cnt) break;
+        const int j = ng + i * a.nw;  // block-local n-tile
+        const uint32_t slab_j = slab_w + uint32_t(j * a.slab_rows * 8 * kGemvEntryBytes);
+        const bool refill = i + kDepth < cnt;
+        const int32_t* w_next = w_warp + int64_t(i + kDepth) * nstride;
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+        for (int kk = 0; kk < kKS; ++kk) {
+          const uint32_t row_off =
+              kk == 0 ? 0u : (rows4 >> (8 * kk) & 0xffu) * uint32_t(8 * kGemvEntryBytes);
+          const uint4 v = LdShared128(slab_j + row_off);
+          D dq;
+          if constexpr (D::kFloatPath) {
+            dq.scalef[0] = __uint_as_float(v.x);
+            dq.negf[0] = __uint_as_float(v.y);
+            dq.scalef[1] = __uint_as_float(v.z);
+            dq.negf[1] = __uint_as_float(v.w);
+          } else {
+            dq.scale[0] = v.x;
+            dq.neg[0] = v.y;
+            dq.scale[1] = v.z;
+            dq.neg[1] = v.w;
+          }
+          // One mma per k16 step as soon as its A registers are ready (few live registers);
+          // the refill right after the last step's dequantization read the tile's words.
+#pragma unroll
+          for (int s = 0; s < 4; ++s) {
+            uint32_t af[4];
+            dq.Step(af, w[d][kk], s);
+            if (s == 3) {
+              GemvLoadTile<kWPL>(w[d][kk], w_next + kk * kstride, refill && (kvalid >> kk & 1u));
+            }
+            MmaType<T>::Mma(acc, af, xb[kk][s][0], xb[kk][s][1]);
+          }
+        }
+        // acc: rows (features) gq and gq + 8, columns (tokens) 2 tq and 2 tq + 1.
+        const uint32_t o = out_s + uint32_t(((ks * a.nb + j) * M * kQTileN) * 4);
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int tok = 2 * tq + (e & 1);
+          const int f = gq + 8 * (e >> 1);
+          const float v = acc[e];
+          const uint32_t at = o + uint32_t((tok * kQTileN + f) * 4);
+          if (tok < M) StShared(at, v);
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // The kw slices of each output summed in ks order; then y or this split's partial sums.
+  // The block's coordinates are decoded again (not kept live across the loop above).
+  uint32_t cta;
+  asm volatile("mov.u32 %0, %%ctaid.x;\n" : "=r"(cta));
+  const int e_nblk = int(cta % uint32_t(a.nblocks));
+  const int e_split = int(cta / uint32_t(a.nblocks) % uint32_t(a.splits));
+  const int64_t e_g = cta / uint32_t(a.nblocks) / uint32_t(a.splits);
+  const int64_t e_nt0 = int64_t(e_nblk) * a.nb;
+  const int e_nbl = int(NT - e_nt0 < a.nb ? NT - e_nt0 : a.nb);
+  const int64_t row0 = e_g * M;
+#pragma unroll 1
+  for (int e = threadIdx.x; e < e_nbl * M * kQTileN; e += kThreads) {
+    const int j = e / (M * kQTileN), rem = e % (M * kQTileN);
+    const int tok = rem / kQTileN, f = rem % kQTileN;
+    const int64_t n = (e_nt0 + j) * kQTileN + f;
+    if (n >= N) continue;
+    float v = 0.f;
+    for (int s = 0; s < a.kw; ++s) v += out[((s * a.nb + j) * M + tok) * kQTileN + f];
+    if (a.splits == 1) {
+      static_cast<T*>(p.y)[(row0 + tok) * N + n] = FromFloat<T>(Finish<T>(p, v, e_g, n));
+    } else {
+      p.workspace[int64_t(e_split) * p.groups * p.m * N + (row0 + tok) * N + n] = v;
+    }
+  }
+}
+
+// The K side of the GEMV grid: kw k-slices per block (the smallest power of two covering
+// K, at most 8) and the K splits (one per block span of kw * kKS k tiles).
+struct GemvKPlan {
+  int kw;
+  int64_t splits;
+};
+GemvKPlan GemvPlanK(const QLinearParams& p) {
+  const int ks = p.bits == 4 ? GemvConfig<4>::kKS : GemvConfig<8>::kKS;
+  const int64_t need = CeilDiv(QTilesK(p.k), ks);
+  GemvKPlan plan{1, 0};
+  while (plan.kw < kWarps && plan.kw < need) plan.kw *= 2;
+  plan.splits = CeilDiv(QTilesK(p.k), int64_t(plan.kw) * ks);
+  return plan;
+}
+
+// The K splits the workspace holds for p (at least 1: no workspace needed).
+int64_t GemvWorkspaceSplits(const QLinearParams& p) {
+  const int64_t out_elems = p.groups * p.m * p.n;
+  const int64_t ws =
+      p.workspace != nullptr
+          ? (p.workspace_floats < kMaxWorkspaceFloats ? p.workspace_floats : kMaxWorkspaceFloats)
+          : 0;
+  const int64_t by_ws = out_elems > 0 ? ws / out_elems : 0;
+  return by_ws < 1 ? 1 : by_ws > kMaxSplits ? kMaxSplits : by_ws;
+}
+
+// Whether the GEMV path serves p: M <= 8, whole tiles per scale group, and the workspace
+// holding one partial sum per K split (QLinearWorkspaceFloats does up to K = 32 x 2048
+// (int4) or 32 x 1024 (int8) while G M N <= 2^17).
+bool GemvEligible(const QLinearParams& p) {
+  if (p.m > kGemvMaxM || p.k <= 0) return false;
+  if (QScaleRows(p) != 1 && p.group_size % kQTileK != 0) return false;
+  return GemvPlanK(p).splits <= GemvWorkspaceSplits(p);
+}
+
+// Developer knob (common/dev_knobs.h, a JAXGPU_DEV_KNOBS build):
+// JAXGPU_QLINEAR_GEMV=<on>[,<nb>]: on = 1 sends the eligible calls of LaunchQLinear to the
+// GEMV path; nb (> 0) forces its n-tiles per block (within the shared-memory budget).
+const DevKnob& GemvKnob() {
+  static const DevKnob knob = ReadDevKnob("JAXGPU_QLINEAR_GEMV");
+  return knob;
+}
+
+template <typename T, int kBits>
+cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, int sms,
+                       int smem_per_sm) {
+  using GC = GemvConfig<kBits>;
+  auto kernel = QLinearGemvKernel<T, kBits>;
+  static std::atomic<bool> opted[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBudget);
+    if (err != cudaSuccess) return err;
+    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
+  }
+  const DevKnob& knob = GemvKnob();
+
+  GemvArgs a{};
+  a.p = p;
+  a.kt = QTilesK(p.k);
+  a.nt = QTilesN(p.n);
+  const GemvKPlan plan = GemvPlanK(p);
+  a.kw = plan.kw;
+  a.nw = kWarps / a.kw;
+  a.round_tiles = a.kw * GC::kKS;
+  a.splits = int(plan.splits);
+  if (a.splits > GemvWorkspaceSplits(p)) return cudaErrorInvalidValue;  // not GemvEligible
+  a.scale_rows = int(QScaleRows(p));
+  a.tiles_per_group = a.scale_rows == 1 ? 1 : int(p.group_size / kQTileK);
+  a.slab_rows = 1;
+  if (a.scale_rows > 1) {
+    const int span = (a.round_tiles - 1) / a.tiles_per_group + 2;
+    a.slab_rows = span < a.scale_rows ? span : a.scale_rows;
+  }
+  const int64_t out_elems = p.groups * p.m * p.n;
+
+  // n-tiles per block: the grid fills the resident slots in one wave, within the shared
+  // budget (the Dequant slab and the partial sums grow with nb).
+  const int per_nt = a.slab_rows * 8 * kGemvEntryBytes + a.kw * int(p.m) * kQTileN * 4 +
+                     a.slab_rows * kQTileN * 3 + 32;
+  int nb_max = kGemvSmemBudget / per_nt;
+  if (nb_max < 1) nb_max = 1;
+  const int per_sm = smem_per_sm / (kGemvSmemBudget + 1024);
+  const int64_t slots = int64_t(sms) * (per_sm < 1                ? 1
+                                        : per_sm < kGemvMinBlocks ? per_sm
+                                                                  : kGemvMinBlocks);
+  int64_t want = slots / (a.splits * p.groups);
+  if (want < 1) want = 1;
+  int64_t nb = CeilDiv(a.nt, want);
+  if (knob.ints[1] > 0) nb = knob.ints[1];
+  if (nb > nb_max) nb = nb_max;
+  a.nb = int(nb);
+  a.nblocks = int(CeilDiv(a.nt, a.nb));
+  a.out_off = a.slab_rows * a.nb * 8 * kGemvEntryBytes;
+  a.raw_off = a.out_off + a.kw * a.nb * int(p.m) * kQTileN * 4;
+  a.raw_z_off = a.raw_off + Align16(a.slab_rows * a.nb * kQTileN * 2);
+  const int smem = a.raw_z_off + Align16(a.slab_rows * a.nb * kQTileN);
+  a.fast_s = p.n % 8 == 0 && reinterpret_cast<uintptr_t>(p.scales) % 16 == 0 &&
+             (p.zeros == nullptr || reinterpret_cast<uintptr_t>(p.zeros) % 8 == 0);
+  a.x_pairs = p.k % 2 == 0 && reinterpret_cast<uintptr_t>(p.x) % 4 == 0;
+
+  const int64_t grid = int64_t(a.nblocks) * a.splits * p.groups;
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
+  cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.splits == 1) return err;
+  const int64_t blocks = CeilDiv(out_elems, 256);
+  const int64_t cap = int64_t(sms) * 8;
+  QLinearReduceKernel<T><<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, a.splits);
+  return cudaGetLastError();
+}
+
 }  // namespace
 }  // namespace qlinear
 
@@ -738,7 +1179,13 @@ int64_t QLinearWorkspaceFloats(int64_t groups, int64_t m, int64_t n) {
   return out * qlinear::kMaxSplits;
 }
 
+bool QLinearGemvEligible(const QLinearParams& p) { return qlinear::GemvEligible(p); }
+
 cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream) {
+  return LaunchQLinearPath(p, stream, QLinearPath::kAuto);
+}
+
+cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLinearPath path) {
   if (p.bits != 4 && p.bits != 8) return cudaErrorInvalidValue;
   if (p.dtype != DType::kBF16 && p.dtype != DType::kF16) return cudaErrorInvalidValue;
   if (p.groups <= 0 || p.m <= 0 || p.n <= 0) return cudaSuccess;
@@ -759,6 +1206,13 @@ cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream) {
       qlinear::QLinearReduceKernel<T>
           <<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, 0);
       return cudaGetLastError();
+    }
+    const bool gemv = (path == QLinearPath::kGemv || (path == QLinearPath::kAuto && kDevKnobs &&
+                                                      qlinear::GemvKnob().ints[0] == 1)) &&
+                      qlinear::GemvEligible(p);
+    if (gemv) {
+      if (p.bits == 4) return qlinear::LaunchGemv<T, 4>(p, stream, device, sms, smem_per_sm);
+      return qlinear::LaunchGemv<T, 8>(p, stream, device, sms, smem_per_sm);
     }
     if (p.bits == 4) return qlinear::LaunchBits<T, 4>(p, stream, device, sms, smem_per_sm);
     return qlinear::LaunchBits<T, 8>(p, stream, device, sms, smem_per_sm);
