@@ -819,11 +819,10 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
   extern __shared__ __align__(16) unsigned char smem[];
   const QLinearParams& p = a.p;
 
-  int64_t bid = blockIdx.x;
-  const int nblk = int(bid % a.nblocks);
-  bid /= a.nblocks;
-  const int split = int(bid % a.splits);
-  const int64_t g = bid / a.splits;
+  const uint32_t bid = blockIdx.x;  // the grid is below 2^31 blocks
+  const int nblk = int(bid % uint32_t(a.nblocks));
+  const int split = int(bid / uint32_t(a.nblocks) % uint32_t(a.splits));
+  const int64_t g = bid / uint32_t(a.nblocks) / uint32_t(a.splits);
   const int64_t gw = p.weight_groups == 1 ? 0 : g;
   const int M = int(p.m);
   const int64_t K = p.k, N = p.n, KT = a.kt, NT = a.nt;
@@ -844,8 +843,10 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
   const int kF = a.nb * kQTileN;  // features per raw row
   const int64_t n0 = nt0 * kQTileN;
   const int32_t* w_lane = p.packed + gw * KT * NT * kWPT + lane * kWPL;
-  const int64_t kstride = NT * kWPT;             // words between k tiles
-  const int64_t nstride = int64_t(a.nw) * kWPT;  // words between this warp's n-tiles
+  // Words between k tiles and between this warp's n-tiles (32-bit: GemvEligible bounds
+  // kKS * NT * kWPT).
+  const int kstride = int(NT * kWPT);
+  const int nstride = a.nw * kWPT;
   const T* xg = static_cast<const T*>(p.x) + g * M * K;
   const uint16_t* sg = static_cast<const uint16_t*>(p.scales) + gw * a.scale_rows * N;
   const uint8_t* zg = has_zeros ? p.zeros + gw * a.scale_rows * N : nullptr;
@@ -979,11 +980,12 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
 #pragma unroll
       for (int d = 0; d < kDepth; ++d) {
         const int i = i0 + d;
-        if (i >= cnt) break;
-        const int j = ng + i * a.nw;  // block-local n-tile
+        // i == cnt (odd cnt, last pass): a phantom n-tile on the ring's stale words,
+        // computed but not stored (no branch in the middle of the pass).
+        const int j = ng + (i < cnt ? i : cnt - 1) * a.nw;  // block-local n-tile
         const uint32_t slab_j = slab_w + uint32_t(j * a.slab_rows * 8 * kGemvEntryBytes);
         const bool refill = i + kDepth < cnt;
-        const int32_t* w_next = w_warp + int64_t(i + kDepth) * nstride;
+        const int32_t* w_next = w_warp + (i + kDepth) * nstride;
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
         for (int kk = 0; kk < kKS; ++kk) {
@@ -1022,7 +1024,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
           const int f = gq + 8 * (e >> 1);
           const float v = acc[e];
           const uint32_t at = o + uint32_t((tok * kQTileN + f) * 4);
-          if (tok < M) StShared(at, v);
+          if (tok < M && i < cnt) StShared(at, v);
         }
       }
     }
@@ -1087,6 +1089,9 @@ int64_t GemvWorkspaceSplits(const QLinearParams& p) {
 bool GemvEligible(const QLinearParams& p) {
   if (p.m > kGemvMaxM || p.k <= 0) return false;
   if (QScaleRows(p) != 1 && p.group_size % kQTileK != 0) return false;
+  // 32-bit word offsets within a block's k span of the packed weight.
+  if (QTilesN(p.n) * GemvConfig<8>::kKS * QWordsPerTile(8) >= (int64_t(1) << 31)) return false;
+  if (QTilesN(p.n) * GemvConfig<4>::kKS * QWordsPerTile(4) >= (int64_t(1) << 31)) return false;
   return GemvPlanK(p).splits <= GemvWorkspaceSplits(p);
 }
 
