@@ -858,7 +858,20 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
 #pragma unroll
     for (int kk = 0; kk < kKS; ++kk) kvalid |= (kw0 + kk < kr1 ? 1u : 0u) << kk;
 
-    // 1. The raw scale / zero rows row0 .. row0 + nrows - 1 of the block's features into
+    // 1. The first kDepth n-tiles of weights: in flight while the scales and x load.
+    const int32_t* w_warp = w_lane + (int64_t(kw0) * NT + nt0 + ng) * kWPT;
+    uint32_t w[kDepth][kKS][kWPL];
+#pragma unroll
+    for (int d = 0; d < kDepth; ++d)
+#pragma unroll
+      for (int kk = 0; kk < kKS; ++kk) {
+#pragma unroll
+        for (int i = 0; i < kWPL; ++i) w[d][kk][i] = 0u;
+        GemvLoadTile<kWPL>(w[d][kk], w_warp + kk * kstride + d * nstride,
+                           (kvalid >> kk & 1u) && d < cnt);
+      }
+
+    // 2. The raw scale / zero rows row0 .. row0 + nrows - 1 of the block's features into
     // shared memory (cp.async: no registers held; zero past N).
     const int row0 = GemvRowOf(a, kr0);
     const int nrows = GemvRowOf(a, kr1 - 1) - row0 + 1;
@@ -885,19 +898,6 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
       }
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
-
-    // 2. The first kDepth n-tiles of weights: in flight while x and the scales load.
-    const int32_t* w_warp = w_lane + (int64_t(kw0) * NT + nt0 + ng) * kWPT;
-    uint32_t w[kDepth][kKS][kWPL];
-#pragma unroll
-    for (int d = 0; d < kDepth; ++d)
-#pragma unroll
-      for (int kk = 0; kk < kKS; ++kk) {
-#pragma unroll
-        for (int i = 0; i < kWPL; ++i) w[d][kk][i] = 0u;
-        GemvLoadTile<kWPL>(w[d][kk], w_warp + kk * kstride + d * nstride,
-                           (kvalid >> kk & 1u) && d < cnt);
-      }
 
     // 3. x's B fragments of the warp's k-slice: token gq, k pairs 2 tq (+ 8) of each k16
     // step; zero past M and past K.
@@ -1136,8 +1136,8 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
   }
   const int64_t out_elems = p.groups * p.m * p.n;
 
-  // n-tiles per block: the grid fills the resident slots in one wave, within the shared
-  // budget (the Dequant slab and the partial sums grow with nb).
+  // n-tiles per block, within the shared budget (the Dequant slab, the raw scale rows and
+  // the partial sums grow with nb); 2 resident blocks per SM.
   const int per_nt = a.slab_rows * 8 * kGemvEntryBytes + a.kw * int(p.m) * kQTileN * 4 +
                      a.slab_rows * kQTileN * 3 + 32;
   int nb_max = kGemvSmemBudget / per_nt;
@@ -1146,9 +1146,19 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
   const int64_t slots = int64_t(sms) * (per_sm < 1                ? 1
                                         : per_sm < kGemvMinBlocks ? per_sm
                                                                   : kGemvMinBlocks);
-  int64_t want = slots / (a.splits * p.groups);
-  if (want < 1) want = 1;
-  int64_t nb = CeilDiv(a.nt, want);
+  // The n-tiles per block minimizing waves x (nb + 2) (a block's time: its n-tiles plus
+  // about two n-tiles' worth of prologue), the larger nb on ties: e.g. 28672 x 8192 int4
+  // (14 splits) takes nb = 14 (518 blocks, 2 full waves), not 28 (266 blocks, 2 waves).
+  const int64_t per_nblock = int64_t(a.splits) * p.groups;
+  int64_t nb = 1, best = -1;
+  for (int64_t c = 1; c <= nb_max && c <= a.nt; ++c) {
+    const int64_t waves = CeilDiv(CeilDiv(a.nt, c) * per_nblock, slots);
+    const int64_t cost = waves * (c + 2);
+    if (best < 0 || cost <= best) {
+      best = cost;
+      nb = c;
+    }
+  }
   if (knob.ints[1] > 0) nb = knob.ints[1];
   if (nb > nb_max) nb = nb_max;
   a.nb = int(nb);
