@@ -327,6 +327,10 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
   p.y = y;
   p.workspace = dws;
   p.workspace_floats = ws;
+  for (auto path : paths) {
+    if (path == jaxgpu::cuda::QLinearPath::kGemv && !jaxgpu::cuda::QLinearGemvEligible(p))
+      std::printf("  (not GEMV-eligible: the gemv column times the staged kernel)\n");
+  }
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
