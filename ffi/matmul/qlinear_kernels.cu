@@ -48,6 +48,11 @@
 // at 2.55 TB/s. Reaching the ~41 us copy-rate bound needs ~35% fewer instructions per
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
+//
+// A second kernel for M <= 8, QLinearGemvKernel (the GEMV path, below; not the default yet:
+// LaunchQLinearPath kGemv, or the JAXGPU_QLINEAR_GEMV developer knob) takes the weights
+// straight from global memory into registers and splits K over the warps, so that x stays
+// in registers: 77 SASS instructions per int4 tile in its main loop against ~156 here.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1113,6 +1118,11 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBudget);
     if (err != cudaSuccess) return err;
+    // All of L1 as shared memory (the weights are not cached in L1): 2 blocks of up to
+    // 100 KiB per SM.
+    const cudaError_t err2 =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+    if (err2 != cudaSuccess) return err2;
     if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
   }
   const DevKnob& knob = GemvKnob();
