@@ -318,20 +318,20 @@ def test_warp_specialized_workspaces_only_where_the_kernels_can_run(monkeypatch)
   base = attention_op._Config(scale=1.0, softcap=0.0, causal=False, window=(-1, -1),
                               has_segments=False, implementation="cuda")
   bf16, replace = jnp.bfloat16, dataclasses.replace
-  fused = attention_op._warp_specialized
-  assert fused(base, 128, bf16) and fused(base, 64, jnp.float16) and fused(base, 256, bf16)
-  assert fused(replace(base, causal=True, window=(7, 0)), 40, bf16)
-  assert not fused(base, 96, bf16)        # the mma.sync kernels' head dim
-  assert not fused(base, 32, bf16)
-  assert not fused(base, 128, jnp.float32)
-  assert fused(replace(base, has_segments=True), 128, bf16)
-  assert not fused(replace(base, has_lengths=True), 128, bf16)
-  assert not fused(replace(base, bias="[g] k r t s"), 128, bf16)
-  assert not fused(replace(base, mask="[g] k r t s"), 128, bf16)
-  assert not fused(replace(base, implementation="cpu"), 128, bf16)
-  assert not fused(replace(base, path=attention_op._PATHS["mma_sync"]), 128, bf16)
+  ws = attention_op._warp_specialized
+  assert ws(base, 128, bf16) and ws(base, 64, jnp.float16) and ws(base, 256, bf16)
+  assert ws(replace(base, causal=True, window=(7, 0)), 40, bf16)
+  assert not ws(base, 96, bf16)        # the mma.sync kernels' head dim
+  assert not ws(base, 32, bf16)
+  assert not ws(base, 128, jnp.float32)
+  assert ws(replace(base, has_segments=True), 128, bf16)
+  assert not ws(replace(base, has_lengths=True), 128, bf16)
+  assert not ws(replace(base, bias="[g] k r t s"), 128, bf16)
+  assert not ws(replace(base, mask="[g] k r t s"), 128, bf16)
+  assert not ws(replace(base, implementation="cpu"), 128, bf16)
+  assert not ws(replace(base, path=attention_op._PATHS["mma_sync"]), 128, bf16)
   monkeypatch.setattr(attention_op, "_hopper_present", lambda: False)
-  assert not fused(base, 128, bf16)
+  assert not ws(base, 128, bf16)
 
 
 @pytest.mark.parametrize("counter", [jax.ShapeDtypeStruct((2,), jnp.int32),

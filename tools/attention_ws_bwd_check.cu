@@ -53,6 +53,7 @@
 #include <vector>
 
 #include "attention/attention_params.h"
+#include "attention_check_common.h"
 #include "attention/sm90/bwd_ws_sm90.h"
 #include "check_common.h"
 
@@ -128,31 +129,16 @@ void Sync(cudaStream_t stream, const std::string& what) {
 //   kZeros     every id 0 (the bench's options case: the ids mask nothing).
 enum class Seg { kNone, kPacked, kOnePerRow, kMixed, kUnseen, kZeros };
 
-struct Case {
-  int64_t b, t, s, k, r, h;
-  bool causal = false;
-  int64_t left = -1, right = -1;
-  float softcap = 0.f;
-  DType dtype = DType::kBF16;
+struct Case : jaxgpu::check::AttentionCase {
   Seg seg = Seg::kNone;
   bool uniform = false;  // pass p.segment_uniform (1 where a row's ids are all one segment)
 
   std::string Name() const {
-    char buf[240];
-    std::string window;
-    if (left >= 0 || right >= 0) {
-      window = " window(" + std::to_string(left) + "," + std::to_string(right) + ")";
-    }
     static const char* const kSegNames[] = {"",           " seg:packed", " seg:one-per-row",
                                             " seg:mixed", " seg:unseen", " seg:zeros"};
-    std::snprintf(buf, sizeof(buf), "B%lld T%lld S%lld K%lld R%lld H%lld%s%s%s%s%s %s",
-                  (long long)b, (long long)t, (long long)s, (long long)k, (long long)r,
-                  (long long)h, causal ? " causal" : "", window.c_str(),
-                  softcap > 0 ? " softcap" : "", kSegNames[static_cast<int>(seg)],
-                  uniform ? "+uniform" : "", dtype == DType::kBF16 ? "bf16" : "f16");
-    return buf;
+    return ShapeName() + kSegNames[static_cast<int>(seg)] + (uniform ? "+uniform " : " ") +
+           DTypeName();
   }
-  int64_t N() const { return k * r; }
 };
 
 // Segment ids (B, T) and (B, S), empty without them, and the rows' uniformity flags.
@@ -244,19 +230,7 @@ struct Device {
 };
 
 AttentionParams Params(const Case& c, const Device& d) {
-  AttentionParams p{};
-  p.dtype = c.dtype;
-  p.batch = c.b;
-  p.q_len = c.t;
-  p.kv_len = c.s;
-  p.kv_heads = c.k;
-  p.group = c.r;
-  p.head_dim = c.h;
-  p.scale = float(1.0 / std::sqrt(double(c.h)));
-  p.softcap = c.softcap;
-  p.causal = c.causal;
-  p.window_left = c.left;
-  p.window_right = c.right;
+  AttentionParams p = c.ShapeParams();
   p.q = d.q;
   p.k = d.k;
   p.v = d.v;

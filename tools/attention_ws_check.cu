@@ -35,6 +35,7 @@
 #include <vector>
 
 #include "attention/attention_params.h"
+#include "attention_check_common.h"
 #include "attention/sm90/fwd_ws_sm90.h"
 #include "check_common.h"
 
@@ -50,26 +51,12 @@ bool g_dynamic = false;    // --dynamic
 int g_group_heads = 0;     // --group-heads N
 int* g_counter = nullptr;  // the dynamic schedule's workspace (kWsFwdWorkspaceBytes)
 
-struct Case {
-  int64_t b, t, s, k, r, h;
-  bool causal = false;
-  int64_t left = -1, right = -1;
-  float softcap = 0.f;
-  DType dtype = DType::kBF16;
+struct Case : jaxgpu::check::AttentionCase {
   int segment = 0;  // > 0: segment ids in runs of about this many positions
 
   std::string Name() const {
-    char buf[160];
-    std::snprintf(
-        buf, sizeof(buf), "B%lld T%lld S%lld K%lld R%lld H%lld%s%s%s %s", (long long)b,
-        (long long)t, (long long)s, (long long)k, (long long)r, (long long)h,
-        causal ? " causal" : "",
-        left >= 0 || right >= 0
-            ? (" window(" + std::to_string(left) + "," + std::to_string(right) + ")").c_str()
-            : "",
-        softcap > 0 ? " softcap" : "", dtype == DType::kBF16 ? "bf16" : "f16");
-    if (segment > 0) std::snprintf(buf + std::strlen(buf), 32, " segments~%d", segment);
-    return buf;
+    return ShapeName() + " " + DTypeName() +
+           (segment > 0 ? " segments~" + std::to_string(segment) : std::string());
   }
 };
 
@@ -109,19 +96,7 @@ struct Device {
 };
 
 AttentionParams Params(const Case& c, const Device& d) {
-  AttentionParams p{};
-  p.dtype = c.dtype;
-  p.batch = c.b;
-  p.q_len = c.t;
-  p.kv_len = c.s;
-  p.kv_heads = c.k;
-  p.group = c.r;
-  p.head_dim = c.h;
-  p.scale = float(1.0 / std::sqrt(double(c.h)));
-  p.softcap = c.softcap;
-  p.causal = c.causal;
-  p.window_left = c.left;
-  p.window_right = c.right;
+  AttentionParams p = c.ShapeParams();
   p.q = d.q;
   p.k = d.k;
   p.v = d.v;

@@ -18,9 +18,9 @@ from pathlib import Path
 from benchlib.record import Record
 
 MEMORY_BOUND = ("norm", "softmax", "activation", "rope", "cross_entropy")
-COLORS = {"cuda": "#1f77b4", "cudnn": "#d62728", "pallas": "#2ca02c", "xla": "#7f7f7f",
-          "jaxnn": "#9467bd", "contig": "#8c564b", "cuda-int8": "#17becf",
-          "cuda-int4": "#bcbd22", "xla-f32": "#e377c2"}
+COLORS = {"cuda": "#1f77b4", "cuda-unordered": "#ff7f0e", "cudnn": "#d62728",
+          "pallas": "#2ca02c", "xla": "#7f7f7f", "jaxnn": "#9467bd", "contig": "#8c564b",
+          "cuda-int8": "#17becf", "cuda-int4": "#bcbd22", "xla-f32": "#e377c2"}
 
 
 def _records(doc: dict, family: str) -> list[Record]:

@@ -369,6 +369,10 @@ __device__ __forceinline__ void MathWarpgroups(const AttentionParams& p, const L
 //   those the shortest (DynamicGroupHeads).
 enum class WsGrid { kPerTile, kStride, kDynamic };
 
+// The grid a product build compiles (and the default schedule runs) for calls whose tiles
+// mask or not (the file comment's measurements).
+constexpr WsGrid DefaultWsGrid(bool masks) { return masks ? WsGrid::kDynamic : WsGrid::kStride; }
+
 // The dynamic grid's drawing warp (the copy warpgroup's second warp, whose 24 registers
 // hold only this loop: drawing and decoding in the copy warp itself spilled 32-144 bytes).
 // Tile k goes to the copy warp and the math warpgroups through record slot k % kJ: written
@@ -623,9 +627,10 @@ const char* WarpSpecializedFwdUnavailable(const AttentionParams& p) {
 int WsBlockN(const AttentionParams& p) { return PaddedHeadDim(p.head_dim) > 128 ? 64 : 128; }
 
 WsFwdSchedule DefaultWsFwdSchedule(const AttentionParams& p) {
+  const WsGrid grid = DefaultWsGrid(NeedsMask(p, WsBlockN(p)));
   WsFwdSchedule s;
-  s.persistent = true;
-  s.dynamic = NeedsMask(p, WsBlockN(p));
+  s.persistent = grid != WsGrid::kPerTile;
+  s.dynamic = grid == WsGrid::kDynamic;
   return s;
 }
 
@@ -674,7 +679,7 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
                                             : WsGrid::kPerTile;
   // A product build compiles the default schedule only (each extra one doubles the file's
   // instances and CI's compile of it); a developer-knob build every one, for A/B runs.
-  if (!kDevKnobs && (schedule.ping_pong || mode != (masks ? WsGrid::kDynamic : WsGrid::kStride))) {
+  if (!kDevKnobs && (schedule.ping_pong || mode != DefaultWsGrid(masks))) {
     return cudaErrorNotSupported;
   }
   int* const tile_counter = static_cast<int*>(workspace);
@@ -742,7 +747,7 @@ cudaError_t LaunchFwdWarpSpecialized(const AttentionParams& p, const WsFwdSchedu
                 }
               });
             } else {
-              constexpr WsGrid kGrid = kMaskable ? WsGrid::kDynamic : WsGrid::kStride;
+              constexpr WsGrid kGrid = DefaultWsGrid(kMaskable);
               return launch(AttentionFwdWsKernel<T, Tr, kMaskable, kSoftcap, kB, false, kGrid>,
                             kGrid);
             }
