@@ -49,10 +49,11 @@
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
 //
-// A second kernel for M <= 8, QLinearGemvKernel (the GEMV path, below; not the default yet:
-// LaunchQLinearPath kGemv, or the JAXGPU_QLINEAR_GEMV developer knob) takes the weights
-// straight from global memory into registers and splits K over the warps, so that x stays
-// in registers: 77 SASS instructions per int4 tile in its main loop against ~156 here.
+// A second kernel serves M <= 8, QLinearGemvKernel (the GEMV path, below; the default where
+// GemvEligible): it takes the weights straight from global memory into registers and splits
+// K over the warps, so that x stays in registers: 77 SASS instructions per int4 tile in its
+// main loop against ~156 here. H200, int4 g128 8192 x 28672: 50.5 us at M = 1 against the
+// staged kernel's 70.4 (tools/qlinear_check --gemv).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -1101,8 +1102,9 @@ bool GemvEligible(const QLinearParams& p) {
 }
 
 // Developer knob (common/dev_knobs.h, a JAXGPU_DEV_KNOBS build):
-// JAXGPU_QLINEAR_GEMV=<on>[,<nb>]: on = 1 sends the eligible calls of LaunchQLinear to the
-// GEMV path; nb (> 0) forces its n-tiles per block (within the shared-memory budget).
+// JAXGPU_QLINEAR_GEMV=<path>[,<nb>]: path = -1 sends every call of LaunchQLinear to the
+// staged kernel (default: the GEMV kernel where eligible); nb (> 0) forces the GEMV
+// kernel's n-tiles per block (within the shared-memory budget).
 const DevKnob& GemvKnob() {
   static const DevKnob knob = ReadDevKnob("JAXGPU_QLINEAR_GEMV");
   return knob;
@@ -1232,9 +1234,10 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
           <<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, 0);
       return cudaGetLastError();
     }
-    const bool gemv = (path == QLinearPath::kGemv || (path == QLinearPath::kAuto && kDevKnobs &&
-                                                      qlinear::GemvKnob().ints[0] == 1)) &&
-                      qlinear::GemvEligible(p);
+    const bool gemv =
+        (path == QLinearPath::kGemv ||
+         (path == QLinearPath::kAuto && !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1))) &&
+        qlinear::GemvEligible(p);
     if (gemv) {
       if (p.bits == 4) return qlinear::LaunchGemv<T, 4>(p, stream, device, sms, smem_per_sm);
       return qlinear::LaunchGemv<T, 8>(p, stream, device, sms, smem_per_sm);
