@@ -614,6 +614,11 @@ __global__ void __launch_bounds__(kThreads, (LaunchMinBlocks<kBits, kMT>()))
 // rounds once to T. splits == 0 (K == 0): y = act(bias).
 template <typename T>
 __global__ void __launch_bounds__(256) QLinearReduceKernel(const QLinearParams p, int splits) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // Launched as the products' programmatic dependent (LaunchReduce): wait until their grid
+  // has completed and its partial sums are visible.
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+#endif
   const int64_t total = p.groups * p.m * p.n;
   const int64_t mn = p.m * p.n;
   T* y = static_cast<T*>(p.y);
@@ -623,6 +628,39 @@ __global__ void __launch_bounds__(256) QLinearReduceKernel(const QLinearParams p
     for (int s = 0; s < splits; ++s) v += p.workspace[s * total + e];
     y[e] = FromFloat<T>(Finish<T>(p, v, e / mn, e % p.n));
   }
+}
+
+int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device);
+
+// Developer knob (common/dev_knobs.h): JAXGPU_QLINEAR_PDL=-1 launches the split-K reduction
+// after the products' kernel without programmatic dependent launch.
+const DevKnob& ReduceKnob() {
+  static const DevKnob knob = ReadDevKnob("JAXGPU_QLINEAR_PDL");
+  return knob;
+}
+
+// The split-K reduction after the products' kernel. On sm_90+ it is that kernel's
+// programmatic dependent: its launch overlaps the products' last blocks instead of following
+// their completion (QLinearReduceKernel waits for it in griddepcontrol.wait).
+template <typename T>
+cudaError_t LaunchReduce(const QLinearParams& p, int splits, int sms, int device,
+                         cudaStream_t stream) {
+  const int64_t out_elems = p.groups * p.m * p.n;
+  const int64_t blocks = CeilDiv(out_elems, 256);
+  const int64_t cap = int64_t(sms) * 8;
+  static std::atomic<int> major_cache[kMaxDevices];
+  const bool pdl = DeviceAttribute(cudaDevAttrComputeCapabilityMajor, major_cache, device) >= 9 &&
+                   !(kDevKnobs && ReduceKnob().ints[0] == -1);
+  cudaLaunchConfig_t cfg{};
+  cfg.gridDim = dim3(unsigned(blocks < cap ? blocks : cap));
+  cfg.blockDim = dim3(256);
+  cfg.stream = stream;
+  cudaLaunchAttribute attr[1];
+  attr[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attr[0].val.programmaticStreamSerializationAllowed = 1;
+  cfg.attrs = attr;
+  cfg.numAttrs = pdl ? 1 : 0;
+  return cudaLaunchKernelEx(&cfg, QLinearReduceKernel<T>, p, splits);
 }
 
 int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device) {
@@ -715,10 +753,7 @@ cudaError_t Launch(const QLinearParams& p, cudaStream_t stream, int device, int 
   kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || a.splits == 1) return err;
-  const int64_t blocks = CeilDiv(out_elems, 256);
-  const int64_t cap = int64_t(sms) * 8;
-  QLinearReduceKernel<T><<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, a.splits);
-  return cudaGetLastError();
+  return LaunchReduce<T>(p, a.splits, sms, device, stream);
 }
 
 template <typename T, int kBits>
@@ -1035,6 +1070,11 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
       }
     }
   }
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  // The weights are read: the split-K reduction (a programmatic dependent) may start
+  // launching; it waits for this grid's completion before reading the partial sums.
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
   __syncthreads();
 
   // The kw slices of each output summed in ks order; then y or this split's partial sums.
@@ -1146,7 +1186,6 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
     const int span = (a.round_tiles - 1) / a.tiles_per_group + 2;
     a.slab_rows = span < a.scale_rows ? span : a.scale_rows;
   }
-  const int64_t out_elems = p.groups * p.m * p.n;
 
   // n-tiles per block, within the shared budget (the Dequant slab, the raw scale rows and
   // the partial sums grow with nb); 2 resident blocks per SM.
@@ -1188,10 +1227,7 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
   kernel<<<unsigned(grid), kThreads, smem, stream>>>(a);
   cudaError_t err = cudaGetLastError();
   if (err != cudaSuccess || a.splits == 1) return err;
-  const int64_t blocks = CeilDiv(out_elems, 256);
-  const int64_t cap = int64_t(sms) * 8;
-  QLinearReduceKernel<T><<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, a.splits);
-  return cudaGetLastError();
+  return LaunchReduce<T>(p, a.splits, sms, device, stream);
 }
 
 }  // namespace
