@@ -4,7 +4,7 @@
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/qc \
 //       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu && /tmp/qc [--no-time] [--gemv]
 //
-// --gemv: the correctness suite (plus cases for its M <= 8 shapes) through the GEMV kernel
+// --gemv: the correctness suite (plus cases for its M <= 16 shapes) through the GEMV kernel
 // (LaunchQLinearPath kGemv; ineligible cases run the staged kernel and are counted apart),
 // and the speed table times both kernels on the same inputs (launches interleaved) side by
 // side. One case under Nsight Compute (the GEMV kernel of int4 g128 8192 x 28672, M = 1):
@@ -432,10 +432,11 @@ int main(int argc, char** argv) {
           }
         }
       }
-      // The GEMV kernel's shapes: M <= 8, group_size a multiple of 64 or K; K from one tile
+      // The GEMV kernel's shapes: M <= 16 (one or two token tiles), group_size a multiple of
+      // 64 or K; K from one tile
       // to several rounds per block (ws_mode 1: no workspace, so no split), N across block
       // edges, shared or per-group weights.
-      for (int64_t M : {1, 2, 5, 8}) {
+      for (int64_t M : {1, 2, 5, 8, 9, 13, 16}) {
         if (!gemv) break;
         for (int64_t K : {64, 192, 640, 4096}) {
           for (int64_t N : {1, 17, 200, 3000}) {
@@ -507,7 +508,7 @@ int main(int argc, char** argv) {
         if (quick && (M == 4 || M == 256 || tc.dt == DType::kF16 || tc.gs == 128 && tc.bits == 8))
           continue;
         double gbps = 0;
-        const bool both = gemv && M <= 8;
+        const bool both = gemv && M <= 16;
         std::vector<jaxgpu::cuda::QLinearPath> paths = {jaxgpu::cuda::QLinearPath::kStaged};
         if (both) paths.push_back(jaxgpu::cuda::QLinearPath::kGemv);
         const std::vector<double> us =

@@ -49,7 +49,7 @@
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
 //
-// A second kernel serves M <= 8, QLinearGemvKernel (the GEMV path, below; the default where
+// A second kernel serves M <= 16, QLinearGemvKernel (the GEMV path, below; the default where
 // GemvEligible): it takes the weights straight from global memory into registers and splits
 // K over the warps, so that x stays in registers: 77 SASS instructions per int4 tile in its
 // main loop against ~156 here. H200, int4 g128 8192 x 28672: 50.5 us at M = 1 against the
@@ -768,7 +768,7 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
   });
 }
 
-// ---- The GEMV path (M <= 8): weights straight from global memory into registers ----
+// ---- The GEMV path (M <= 16): weights straight from global memory into registers ----
 //
 // Mapping. A block of 8 warps owns nb n-tiles (a run of the n-tiles) and one K span of
 // kw * kKS k tiles (kKS = 4 at int4, 2 at int8); its warps are kw k-slices x nw n-groups
@@ -779,8 +779,9 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // contiguous bytes of a tile with 128-bit ld.global.nc (L1 no-allocate) into a register
 // ring kDepth = 2 n-tiles (2 kKS tiles: 4 KiB a warp, int4 and int8) ahead of its use; a
 // tile's registers are refilled with the tile 2 n-tiles later as soon as they are
-// dequantized. x is one mma n8 token tile (M <= 8): a second one (M <= 16) would need
-// 32 more registers at int4, past the 128 of 2 blocks per SM.
+// dequantized. x is one mma n8 token tile up to M = 8 and two up to 16 (kNT; each A
+// fragment then feeds two mma): the second tile's 8 kKS x registers would take int4 past
+// the 128 of 2 blocks per SM, so int4 walks 2 k tiles a warp there instead of 4.
 // Scales and zeros. At the start the block copies the scale / zero rows its k span touches
 // (cp.async, while the first weight loads are in flight), then turns them into the Dequant
 // constants of each (row, n-tile, gq) (Dequant::Load; a 16-byte entry for h = 0 and 1) in
@@ -791,14 +792,16 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // to the workspace for QLinearReduceKernel: bitwise deterministic. Every K span is its own
 // split, so the path needs a workspace of one partial sum per span (GemvEligible; the
 // staged kernel serves the rest).
-template <int kBits>
+// kNT: mma n8 token tiles (M <= 8 kNT). Two tiles double x's registers, so int4 takes 2 k
+// tiles a warp there (x: 2 x 16 x kKS registers).
+template <int kBits, int kNT = 1>
 struct GemvConfig {
-  static constexpr int kKS = kBits == 4 ? 4 : 2;     // k tiles per warp slice
-  static constexpr int kDepth = 2;                   // n-tiles of loads in flight per warp
-  static constexpr int kWPL = QWordsPerLane(kBits);  // 32-bit words per lane per tile
-  static constexpr int kWPT = QWordsPerTile(kBits);  // words per tile
+  static constexpr int kKS = kBits == 4 && kNT == 1 ? 4 : 2;  // k tiles per warp slice
+  static constexpr int kDepth = 2;                            // n-tiles of loads in flight per warp
+  static constexpr int kWPL = QWordsPerLane(kBits);           // 32-bit words per lane per tile
+  static constexpr int kWPT = QWordsPerTile(kBits);           // words per tile
 };
-constexpr int kGemvMaxM = 8;
+constexpr int kGemvMaxM = 16;                // two mma token tiles
 constexpr int kGemvMinBlocks = 2;            // resident blocks per SM: <= 128 registers
 constexpr int kGemvSmemBudget = 100 * 1024;  // shared bytes per block (2 per SM on an H100)
 constexpr int kGemvEntryBytes = 16;          // Dequant constants of (row, n-tile, gq)
@@ -852,9 +855,9 @@ __device__ __forceinline__ void StShared(uint32_t at, float v) {
   asm volatile("st.shared.f32 [%0], %1;\n" ::"r"(at), "f"(v) : "memory");
 }
 
-template <typename T, int kBits>
+template <typename T, int kBits, int kNT>
 __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(const GemvArgs a) {
-  using GC = GemvConfig<kBits>;
+  using GC = GemvConfig<kBits, kNT>;
   using D = Dequant<T, kBits>;
   constexpr int kKS = GC::kKS, kDepth = GC::kDepth, kWPL = GC::kWPL, kWPT = GC::kWPT;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -940,13 +943,15 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
       asm volatile("cp.async.commit_group;\n" ::: "memory");
     }
 
-    // 3. x's B fragments of the warp's k-slice: token gq, k pairs 2 tq (+ 8) of each k16
-    // step; zero past M and past K.
-    uint32_t xb[kKS][4][2];
-    {
+    // 3. x's B fragments of the warp's k-slice: token 8 nt + gq of token tile nt, k pairs
+    // 2 tq (+ 8) of each k16 step; zero past M and past K.
+    uint32_t xb[kNT][kKS][4][2];
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      const int tok = 8 * nt + gq;
       const int64_t kl0 = int64_t(kw0) * kQTileK + 2 * tq;
-      const T* xr = xg + int64_t(gq < M ? gq : 0) * K + kl0;
-      const int64_t left = gq < M ? K - kl0 : 0;  // x elements of the row from xr on
+      const T* xr = xg + int64_t(tok < M ? tok : 0) * K + kl0;
+      const int64_t left = tok < M ? K - kl0 : 0;  // x elements of the row from xr on
       const int lim = left < kKS * kQTileK ? int(left) : kKS * kQTileK;
       const unsigned short* xh = reinterpret_cast<const unsigned short*>(xr);
       if (a.x_pairs) {
@@ -958,7 +963,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
 #pragma unroll
             for (int hb = 0; hb < 2; ++hb) {
               const int o = kk * kQTileK + 16 * s + 8 * hb;
-              xb[kk][s][hb] = o < lim ? __ldg(xw + o / 2) : 0u;
+              xb[nt][kk][s][hb] = o < lim ? __ldg(xw + o / 2) : 0u;
             }
       } else {
 #pragma unroll
@@ -970,7 +975,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
               const int o = kk * kQTileK + 16 * s + 8 * hb;
               const uint32_t lo = o < lim ? __ldg(xh + o) : 0u;
               const uint32_t hi = o + 1 < lim ? __ldg(xh + o + 1) : 0u;
-              xb[kk][s][hb] = lo | hi << 16;
+              xb[nt][kk][s][hb] = lo | hi << 16;
             }
       }
     }
@@ -1027,7 +1032,7 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
         const uint32_t slab_j = slab_w + uint32_t(j * a.slab_rows * 8 * kGemvEntryBytes);
         const bool refill = i + kDepth < cnt;
         const int32_t* w_next = w_warp + (i + kDepth) * nstride;
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        float acc[kNT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kKS; ++kk) {
           const uint32_t row_off =
@@ -1054,19 +1059,23 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
             if (s == 3) {
               GemvLoadTile<kWPL>(w[d][kk], w_next + kk * kstride, refill && (kvalid >> kk & 1u));
             }
-            MmaType<T>::Mma(acc, af, xb[kk][s][0], xb[kk][s][1]);
+#pragma unroll
+            for (int nt = 0; nt < kNT; ++nt) {
+              MmaType<T>::Mma(acc[nt], af, xb[nt][kk][s][0], xb[nt][kk][s][1]);
+            }
           }
         }
-        // acc: rows (features) gq and gq + 8, columns (tokens) 2 tq and 2 tq + 1.
+        // acc[nt]: rows (features) gq and gq + 8, columns (tokens) 8 nt + 2 tq (+ 1).
         const uint32_t o = out_s + uint32_t(((ks * a.nb + j) * M * kQTileN) * 4);
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int tok = 2 * tq + (e & 1);
-          const int f = gq + 8 * (e >> 1);
-          const float v = acc[e];
-          const uint32_t at = o + uint32_t((tok * kQTileN + f) * 4);
-          if (tok < M && i < cnt) StShared(at, v);
-        }
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) {
+            const int tok = 8 * nt + 2 * tq + (e & 1);
+            const int f = gq + 8 * (e >> 1);
+            const uint32_t at = o + uint32_t((tok * kQTileN + f) * 4);
+            if (tok < M && i < cnt) StShared(at, acc[nt][e]);
+          }
       }
     }
   }
@@ -1109,8 +1118,13 @@ struct GemvKPlan {
   int kw;
   int64_t splits;
 };
+// Token tiles of the GEMV kernel for p: 1 up to 8 rows, else 2.
+int GemvTokenTiles(const QLinearParams& p) { return p.m <= 8 ? 1 : 2; }
+
 GemvKPlan GemvPlanK(const QLinearParams& p) {
-  const int ks = p.bits == 4 ? GemvConfig<4>::kKS : GemvConfig<8>::kKS;
+  const bool two = GemvTokenTiles(p) == 2;
+  const int ks = p.bits == 4 ? (two ? GemvConfig<4, 2>::kKS : GemvConfig<4, 1>::kKS)
+                             : (two ? GemvConfig<8, 2>::kKS : GemvConfig<8, 1>::kKS);
   const int64_t need = CeilDiv(QTilesK(p.k), ks);
   GemvKPlan plan{1, 0};
   while (plan.kw < kWarps && plan.kw < need) plan.kw *= 2;
@@ -1129,7 +1143,7 @@ int64_t GemvWorkspaceSplits(const QLinearParams& p) {
   return by_ws < 1 ? 1 : by_ws > kMaxSplits ? kMaxSplits : by_ws;
 }
 
-// Whether the GEMV path serves p: M <= 8, whole tiles per scale group, and the workspace
+// Whether the GEMV path serves p: M <= 16, whole tiles per scale group, and the workspace
 // holding one partial sum per K split (QLinearWorkspaceFloats does up to K = 32 x 2048
 // (int4) or 32 x 1024 (int8) while G M N <= 2^17).
 bool GemvEligible(const QLinearParams& p) {
@@ -1150,11 +1164,11 @@ const DevKnob& GemvKnob() {
   return knob;
 }
 
-template <typename T, int kBits>
+template <typename T, int kBits, int kNT>
 cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, int sms,
                        int smem_per_sm) {
-  using GC = GemvConfig<kBits>;
-  auto kernel = QLinearGemvKernel<T, kBits>;
+  using GC = GemvConfig<kBits, kNT>;
+  auto kernel = QLinearGemvKernel<T, kBits, kNT>;
   static std::atomic<bool> opted[kMaxDevices];
   if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
     const cudaError_t err =
@@ -1275,8 +1289,12 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
          (path == QLinearPath::kAuto && !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1))) &&
         qlinear::GemvEligible(p);
     if (gemv) {
-      if (p.bits == 4) return qlinear::LaunchGemv<T, 4>(p, stream, device, sms, smem_per_sm);
-      return qlinear::LaunchGemv<T, 8>(p, stream, device, sms, smem_per_sm);
+      return JAXGPU_INT_SWITCH(qlinear::GemvTokenTiles(p), kNT, (1, 2), [&] {
+        if (p.bits == 4) {
+          return qlinear::LaunchGemv<T, 4, kNT>(p, stream, device, sms, smem_per_sm);
+        }
+        return qlinear::LaunchGemv<T, 8, kNT>(p, stream, device, sms, smem_per_sm);
+      });
     }
     if (p.bits == 4) return qlinear::LaunchBits<T, 4>(p, stream, device, sms, smem_per_sm);
     return qlinear::LaunchBits<T, 8>(p, stream, device, sms, smem_per_sm);
