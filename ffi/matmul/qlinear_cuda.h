@@ -27,7 +27,7 @@ cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 enum class QLinearPath : int { kAuto = 0, kStaged = 1, kGemv = 2 };
 cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLinearPath path);
 
-// Whether the GEMV kernel serves p: M <= 16 and group_size a multiple of 64 or K.
+// Whether the GEMV kernel serves p: M <= 8 (int8: 16) and group_size a multiple of 64 or K.
 bool QLinearGemvEligible(const QLinearParams& p);
 
 // The float32 workspace LaunchQLinear can use for (groups, m, n) outputs: at most 32

@@ -49,7 +49,7 @@
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
 //
-// A second kernel serves M <= 16, QLinearGemvKernel (the GEMV path, below; the default where
+// A second kernel serves M <= 8 (int8: 16), QLinearGemvKernel (the GEMV path, below; the default where
 // GemvEligible): it takes the weights straight from global memory into registers and splits
 // K over the warps, so that x stays in registers: 77 SASS instructions per int4 tile in its
 // main loop against ~156 here. H200, int4 g128 8192 x 28672: 50.5 us at M = 1 against the
@@ -1143,11 +1143,14 @@ int64_t GemvWorkspaceSplits(const QLinearParams& p) {
   return by_ws < 1 ? 1 : by_ws > kMaxSplits ? kMaxSplits : by_ws;
 }
 
-// Whether the GEMV path serves p: M <= 16, whole tiles per scale group, and the workspace
+// Whether the GEMV path serves p: M <= 8 (int8: 16), whole tiles per scale group, and the workspace
 // holding one partial sum per K split (QLinearWorkspaceFloats does up to K = 32 x 2048
 // (int4) or 32 x 1024 (int8) while G M N <= 2^17).
 bool GemvEligible(const QLinearParams& p) {
-  if (p.m > kGemvMaxM || p.k <= 0) return false;
+  // Two token tiles only for int8: at M = 16 (H200, 8192 x 28672 and 28672 x 8192) the
+  // int8 GEMV kernel took 118-135 us against the staged kernel's 143-154, but int4, down to
+  // 2 k tiles a warp, 98-100 against 75-85.
+  if (p.m > (p.bits == 8 ? kGemvMaxM : 8) || p.k <= 0) return false;
   if (QScaleRows(p) != 1 && p.group_size % kQTileK != 0) return false;
   // 32-bit word offsets within a block's k span of the packed weight.
   if (QTilesN(p.n) * GemvConfig<8>::kKS * QWordsPerTile(8) >= (int64_t(1) << 31)) return false;
