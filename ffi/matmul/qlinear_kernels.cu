@@ -49,11 +49,11 @@
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
 //
-// A second kernel serves M <= 8 (int8: 16), QLinearGemvKernel (the GEMV path, below; the default where
-// GemvEligible): it takes the weights straight from global memory into registers and splits
-// K over the warps, so that x stays in registers: 77 SASS instructions per int4 tile in its
-// main loop against ~156 here. H200, int4 g128 8192 x 28672: 50.5 us at M = 1 against the
-// staged kernel's 70.4 (tools/qlinear_check --gemv).
+// A second kernel serves M <= 8 (int8: M <= 16), QLinearGemvKernel (the GEMV path, below;
+// the default where GemvEligible): it takes the weights straight from global memory into
+// registers and splits K over the warps, so that x stays in registers: 77 SASS instructions
+// per int4 tile in its main loop against ~156 here. H200, int4 g128 8192 x 28672: 50.5 us
+// at M = 1 against the staged kernel's 70.4 (tools/qlinear_check --gemv).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -768,7 +768,7 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
   });
 }
 
-// ---- The GEMV path (M <= 16): weights straight from global memory into registers ----
+// ---- The GEMV path (M <= 8, int8 16): weights from global memory into registers ----
 //
 // Mapping. A block of 8 warps owns nb n-tiles (a run of the n-tiles) and one K span of
 // kw * kKS k tiles (kKS = 4 at int4, 2 at int8); its warps are kw k-slices x nw n-groups
