@@ -432,10 +432,10 @@ int main(int argc, char** argv) {
           }
         }
       }
-      // The GEMV kernel's shapes: M <= 16 (one or two token tiles), group_size a multiple of
-      // 64 or K; K from one tile
-      // to several rounds per block (ws_mode 1: no workspace, so no split), N across block
-      // edges, shared or per-group weights.
+      // The GEMV kernel's shapes: M <= 16 (one or two token tiles; int4 runs the staged
+      // kernel past 8), group_size a multiple of 64 or K; K from one tile to several rounds
+      // per block (ws_mode 1: no workspace, so no split), N across block edges, shared or
+      // per-group weights.
       for (int64_t M : {1, 2, 5, 8, 9, 13, 16}) {
         if (!gemv) break;
         for (int64_t K : {64, 192, 640, 4096}) {

@@ -642,17 +642,22 @@ const DevKnob& ReduceKnob() {
 // The split-K reduction after the products' kernel. On sm_90+ it is that kernel's
 // programmatic dependent: its launch overlaps the products' last blocks instead of following
 // their completion (QLinearReduceKernel waits for it in griddepcontrol.wait).
+// Blocks of QLinearReduceKernel: one 256-thread block per 256 outputs, at most 8 per SM
+// (each block strides over the rest).
+inline unsigned ReduceBlocks(const QLinearParams& p, int sms) {
+  const int64_t blocks = CeilDiv(p.groups * p.m * p.n, 256);
+  const int64_t cap = int64_t(sms) * 8;
+  return unsigned(blocks < cap ? blocks : cap);
+}
+
 template <typename T>
 cudaError_t LaunchReduce(const QLinearParams& p, int splits, int sms, int device,
                          cudaStream_t stream) {
-  const int64_t out_elems = p.groups * p.m * p.n;
-  const int64_t blocks = CeilDiv(out_elems, 256);
-  const int64_t cap = int64_t(sms) * 8;
   static std::atomic<int> major_cache[kMaxDevices];
   const bool pdl = DeviceAttribute(cudaDevAttrComputeCapabilityMajor, major_cache, device) >= 9 &&
                    !(kDevKnobs && ReduceKnob().ints[0] == -1);
   cudaLaunchConfig_t cfg{};
-  cfg.gridDim = dim3(unsigned(blocks < cap ? blocks : cap));
+  cfg.gridDim = dim3(ReduceBlocks(p, sms));
   cfg.blockDim = dim3(256);
   cfg.stream = stream;
   cudaLaunchAttribute attr[1];
@@ -794,14 +799,23 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // staged kernel serves the rest).
 // kNT: mma n8 token tiles (M <= 8 kNT). Two tiles double x's registers, so int4 takes 2 k
 // tiles a warp there (x: 2 x 16 x kKS registers).
+__host__ __device__ constexpr int GemvKTilesPerWarp(int bits, int nt) {
+  return bits == 4 && nt == 1 ? 4 : 2;
+}
+// Rows of x the GEMV kernel serves: 8 (one token tile), int8 16 (two). At M = 16 (H200,
+// 8192 x 28672 and 28672 x 8192) the int8 GEMV kernel took 118-135 us against the staged
+// kernel's 143-154, but int4, down to 2 k tiles a warp, 98-100 against 75-85.
+constexpr int GemvMaxM(int bits) { return bits == 8 ? 16 : 8; }
+// Token tiles of the GEMV kernel for m rows.
+constexpr int GemvTokenTiles(int64_t m) { return m <= 8 ? 1 : 2; }
+
 template <int kBits, int kNT = 1>
 struct GemvConfig {
-  static constexpr int kKS = kBits == 4 && kNT == 1 ? 4 : 2;  // k tiles per warp slice
-  static constexpr int kDepth = 2;                            // n-tiles of loads in flight per warp
-  static constexpr int kWPL = QWordsPerLane(kBits);           // 32-bit words per lane per tile
-  static constexpr int kWPT = QWordsPerTile(kBits);           // words per tile
+  static constexpr int kKS = GemvKTilesPerWarp(kBits, kNT);  // k tiles per warp slice
+  static constexpr int kDepth = 2;                           // n-tiles of loads in flight per warp
+  static constexpr int kWPL = QWordsPerLane(kBits);          // 32-bit words per lane per tile
+  static constexpr int kWPT = QWordsPerTile(kBits);          // words per tile
 };
-constexpr int kGemvMaxM = 16;                // two mma token tiles
 constexpr int kGemvMinBlocks = 2;            // resident blocks per SM: <= 128 registers
 constexpr int kGemvSmemBudget = 100 * 1024;  // shared bytes per block (2 per SM on an H100)
 constexpr int kGemvEntryBytes = 16;          // Dequant constants of (row, n-tile, gq)
@@ -1118,13 +1132,8 @@ struct GemvKPlan {
   int kw;
   int64_t splits;
 };
-// Token tiles of the GEMV kernel for p: 1 up to 8 rows, else 2.
-int GemvTokenTiles(const QLinearParams& p) { return p.m <= 8 ? 1 : 2; }
-
 GemvKPlan GemvPlanK(const QLinearParams& p) {
-  const bool two = GemvTokenTiles(p) == 2;
-  const int ks = p.bits == 4 ? (two ? GemvConfig<4, 2>::kKS : GemvConfig<4, 1>::kKS)
-                             : (two ? GemvConfig<8, 2>::kKS : GemvConfig<8, 1>::kKS);
+  const int ks = GemvKTilesPerWarp(p.bits, GemvTokenTiles(p.m));
   const int64_t need = CeilDiv(QTilesK(p.k), ks);
   GemvKPlan plan{1, 0};
   while (plan.kw < kWarps && plan.kw < need) plan.kw *= 2;
@@ -1143,18 +1152,15 @@ int64_t GemvWorkspaceSplits(const QLinearParams& p) {
   return by_ws < 1 ? 1 : by_ws > kMaxSplits ? kMaxSplits : by_ws;
 }
 
-// Whether the GEMV path serves p: M <= 8 (int8: 16), whole tiles per scale group, and the workspace
-// holding one partial sum per K split (QLinearWorkspaceFloats does up to K = 32 x 2048
+// Whether the GEMV path serves p: M <= GemvMaxM, whole tiles per scale group, and the
+// workspace holding one partial sum per K split (QLinearWorkspaceFloats does up to K = 32 x 2048
 // (int4) or 32 x 1024 (int8) while G M N <= 2^17).
 bool GemvEligible(const QLinearParams& p) {
-  // Two token tiles only for int8: at M = 16 (H200, 8192 x 28672 and 28672 x 8192) the
-  // int8 GEMV kernel took 118-135 us against the staged kernel's 143-154, but int4, down to
-  // 2 k tiles a warp, 98-100 against 75-85.
-  if (p.m > (p.bits == 8 ? kGemvMaxM : 8) || p.k <= 0) return false;
+  if (p.m > GemvMaxM(p.bits) || p.k <= 0) return false;
   if (QScaleRows(p) != 1 && p.group_size % kQTileK != 0) return false;
   // 32-bit word offsets within a block's k span of the packed weight.
-  if (QTilesN(p.n) * GemvConfig<8>::kKS * QWordsPerTile(8) >= (int64_t(1) << 31)) return false;
-  if (QTilesN(p.n) * GemvConfig<4>::kKS * QWordsPerTile(4) >= (int64_t(1) << 31)) return false;
+  const int64_t ks = GemvKTilesPerWarp(p.bits, GemvTokenTiles(p.m));
+  if (QTilesN(p.n) * ks * QWordsPerTile(p.bits) >= (int64_t(1) << 31)) return false;
   return GemvPlanK(p).splits <= GemvWorkspaceSplits(p);
 }
 
@@ -1281,10 +1287,7 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
   if (sms <= 0 || smem_per_sm <= 0) return cudaErrorInvalidDevice;
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
     if (p.k <= 0) {  // y = act(bias): no products
-      const int64_t blocks = CeilDiv(p.groups * p.m * p.n, 256);
-      const int64_t cap = int64_t(sms) * 8;
-      qlinear::QLinearReduceKernel<T>
-          <<<unsigned(blocks < cap ? blocks : cap), 256, 0, stream>>>(p, 0);
+      qlinear::QLinearReduceKernel<T><<<qlinear::ReduceBlocks(p, sms), 256, 0, stream>>>(p, 0);
       return cudaGetLastError();
     }
     const bool gemv =
@@ -1292,7 +1295,7 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
          (path == QLinearPath::kAuto && !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1))) &&
         qlinear::GemvEligible(p);
     if (gemv) {
-      return JAXGPU_INT_SWITCH(qlinear::GemvTokenTiles(p), kNT, (1, 2), [&] {
+      return JAXGPU_INT_SWITCH(qlinear::GemvTokenTiles(p.m), kNT, (1, 2), [&] {
         if (p.bits == 4) {
           return qlinear::LaunchGemv<T, 4, kNT>(p, stream, device, sms, smem_per_sm);
         }
