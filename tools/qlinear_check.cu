@@ -3,6 +3,7 @@
 //
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/qc \
 //       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu && /tmp/qc [--no-time] [--gemv]
+//   /tmp/qc --time-only --gemv --shape 2304x9216 --shape 9216x2304   # other weights, K x N
 //
 // --gemv: the correctness suite (plus cases for its M <= 16 shapes) through the GEMV kernel
 // (LaunchQLinearPath kGemv; ineligible cases run the staged kernel and are counted apart),
@@ -18,8 +19,9 @@
 // product), sums in float64, adds the bias and applies the activation in float64. An
 // output passes when |y - ref| <= ulp_T(|ref|) + 3e-5 sum_k |x w| (the rounding of y to T
 // plus float32 accumulation). Split-K cases are run twice and compared bitwise.
-// Speed: W = 8192 x 28672 and 28672 x 8192, M = 1 .. 256, cudaEvent median of 30 launches
-// alternating two weight buffers (each larger than the 50 MB L2).
+// Speed: W = 8192 x 28672 and 28672 x 8192 (or --shape), M = 1 .. 256, cudaEvent median of
+// 30 launches alternating two weight buffers, and per call from a CUDA graph of launches on
+// distinct weights (at least 256 MiB in all: past the 50 MB L2).
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
@@ -357,6 +359,60 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
   }
   const double bytes = double(words) * 4 + double(R * N) * 2 + (zeros ? double(R * N) : 0.0);
   *gbps = bytes / (us[0] * 1e-6) / 1e9;
+
+  // Per call inside a compiled step: one CUDA graph of `calls` launches, each on weights of
+  // its own (a pool of at least 256 MiB, past the 50 MB L2, as a model's layers are), so that
+  // neither the host's launch latency nor L2 hits are in the figure.
+  {
+    const int64_t w_bytes = (words * 4 + 255) / 256 * 256;
+    const int64_t s_bytes = (R * N * 2 + 255) / 256 * 256, z_bytes = (R * N + 255) / 256 * 256;
+    const int64_t per_call = w_bytes + s_bytes + (zeros ? z_bytes : 0);
+    const int64_t calls =
+        std::min<int64_t>(512, std::max<int64_t>(8, (int64_t(256) << 20) / per_call));
+    unsigned char* pool = nullptr;
+    CK(cudaMalloc(&pool, calls * per_call));
+    FillWords<<<1024, 256>>>(reinterpret_cast<uint32_t*>(pool), calls * per_call / 4, 23u);
+    for (int64_t c = 0; c < calls; ++c) {  // scales in range, int4 zero points < 16
+      void* sc = pool + c * per_call + w_bytes;
+      if (dtype == DType::kBF16) {
+        FillHalf<<<256, 256>>>(static_cast<__nv_bfloat16*>(sc), R * N, 0.001f, 0.01f, 7u);
+      } else {
+        FillHalf<<<256, 256>>>(static_cast<__half*>(sc), R * N, 0.001f, 0.01f, 7u);
+      }
+      if (zeros) CK(cudaMemset(pool + c * per_call + w_bytes + s_bytes, 3, R * N));
+    }
+    cudaStream_t stream;
+    CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    for (auto path : paths) {
+      cudaGraph_t graph;
+      CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
+      for (int64_t c = 0; c < calls; ++c) {
+        p.packed = reinterpret_cast<const int32_t*>(pool + c * per_call);
+        p.scales = pool + c * per_call + w_bytes;
+        p.zeros = zeros ? pool + c * per_call + w_bytes + s_bytes : nullptr;
+        CK(jaxgpu::cuda::LaunchQLinearPath(p, stream, path));
+      }
+      CK(cudaStreamEndCapture(stream, &graph));
+      cudaGraphExec_t exec;
+      CK(cudaGraphInstantiate(&exec, graph, 0));
+      std::vector<float> reps;
+      for (int r = 0; r < 6; ++r) {
+        CK(cudaEventRecord(e0, stream));
+        CK(cudaGraphLaunch(exec, stream));
+        CK(cudaEventRecord(e1, stream));
+        CK(cudaEventSynchronize(e1));
+        float ms = 0;
+        CK(cudaEventElapsedTime(&ms, e0, e1));
+        if (r > 0) reps.push_back(ms * 1000.f / float(calls));
+      }
+      std::sort(reps.begin(), reps.end());
+      us.push_back(reps[reps.size() / 2]);
+      CK(cudaGraphExecDestroy(exec));
+      CK(cudaGraphDestroy(graph));
+    }
+    CK(cudaStreamDestroy(stream));
+    cudaFree(pool);
+  }
   for (int b = 0; b < kBuffers; ++b) {
     cudaFree(packed[b]);
     cudaFree(scales[b]);
@@ -375,6 +431,7 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
 int main(int argc, char** argv) {
   bool do_time = true, verbose = false, do_check = true, quick = false, one = false;
   bool gemv = false;
+  std::vector<std::pair<int64_t, int64_t>> shapes;  // the timed weights, K x N
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-time") do_time = false;
     if (std::string(argv[i]) == "-v") verbose = true;
@@ -382,7 +439,13 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--one") one = true, do_check = false;
     if (std::string(argv[i]) == "--gemv") gemv = true;
+    long long k = 0, n = 0;
+    if (std::string(argv[i]) == "--shape" && i + 1 < argc &&
+        std::sscanf(argv[++i], "%lldx%lld", &k, &n) == 2 && k > 0 && n > 0) {
+      shapes.push_back({k, n});
+    }
   }
+  if (shapes.empty()) shapes = {{8192, 28672}, {28672, 8192}};
   if (gemv) g_path = jaxgpu::cuda::QLinearPath::kGemv;
   std::mt19937 rng(12345);
   Totals tot;
@@ -483,11 +546,12 @@ int main(int argc, char** argv) {
   if (!do_time) return tot.failed ? 1 : 0;
 
   std::printf("\ntiming (median of 30, us; weight GB/s = (packed + scales + zeros) / time)\n");
+  std::printf("(graph: per call in a CUDA graph of launches on distinct weights, no L2 reuse)\n");
   if (gemv) {
-    std::printf("%-44s %6s %10s %10s %10s %8s\n", "case", "M", "staged us", "GB/s", "gemv us",
-                "speedup");
+    std::printf("%-44s %6s %10s %10s %10s %8s %12s %12s\n", "case", "M", "staged us", "GB/s",
+                "gemv us", "speedup", "graph staged", "graph gemv");
   } else {
-    std::printf("%-44s %6s %10s %10s\n", "case", "M", "us", "GB/s");
+    std::printf("%-44s %6s %10s %10s %10s\n", "case", "M", "us", "GB/s", "graph us");
   }
   struct TC {
     const char* name;
@@ -500,7 +564,7 @@ int main(int argc, char** argv) {
                     {"bf16 int8 per-channel sym", DType::kBF16, 8, 0, false},
                     {"bf16 int8 g128 sym", DType::kBF16, 8, 128, false},
                     {"f16 int8 per-channel sym", DType::kF16, 8, 0, false}};
-  for (auto [K, N] : {std::pair<int64_t, int64_t>{8192, 28672}, {28672, 8192}}) {
+  for (auto [K, N] : shapes) {
     for (const TC& tc : tcs) {
       for (int64_t M : {1, 4, 16, 64, 256}) {
         if (tc.dt == DType::kF16 && M > 16) continue;
@@ -516,10 +580,10 @@ int main(int argc, char** argv) {
         char name[96];
         std::snprintf(name, sizeof(name), "%s K=%lld N=%lld", tc.name, (long long)K, (long long)N);
         if (both) {
-          std::printf("%-44s %6lld %10.1f %10.0f %10.1f %7.2fx\n", name, (long long)M, us[0], gbps,
-                      us[1], us[0] / us[1]);
+          std::printf("%-44s %6lld %10.1f %10.0f %10.1f %7.2fx %12.1f %12.1f\n", name, (long long)M,
+                      us[0], gbps, us[1], us[0] / us[1], us[2], us[3]);
         } else {
-          std::printf("%-44s %6lld %10.1f %10.0f\n", name, (long long)M, us[0], gbps);
+          std::printf("%-44s %6lld %10.1f %10.0f %10.1f\n", name, (long long)M, us[0], gbps, us[1]);
         }
         std::fflush(stdout);
       }

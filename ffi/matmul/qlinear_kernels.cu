@@ -784,7 +784,8 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // contiguous bytes of a tile with 128-bit ld.global.nc (L1 no-allocate) into a register
 // ring kDepth = 2 n-tiles (2 kKS tiles: 4 KiB a warp, int4 and int8) ahead of its use; a
 // tile's registers are refilled with the tile 2 n-tiles later as soon as they are
-// dequantized. x is one mma n8 token tile up to M = 8 and two up to 16 (kNT; each A
+// dequantized (int8 with one token tile also prefetches the tiles 2 n-tiles past the ring
+// into L2). x is one mma n8 token tile up to M = 8 and two up to 16 (kNT; each A
 // fragment then feeds two mma): the second tile's 8 kKS x registers would take int4 past
 // the 128 of 2 blocks per SM, so int4 walks 2 k tiles a warp there instead of 4.
 // Scales and zeros. At the start the block copies the scale / zero rows its k span touches
@@ -813,8 +814,14 @@ template <int kBits, int kNT = 1>
 struct GemvConfig {
   static constexpr int kKS = GemvKTilesPerWarp(kBits, kNT);  // k tiles per warp slice
   static constexpr int kDepth = 2;                           // n-tiles of loads in flight per warp
-  static constexpr int kWPL = QWordsPerLane(kBits);          // 32-bit words per lane per tile
-  static constexpr int kWPT = QWordsPerTile(kBits);          // words per tile
+  // n-tiles past the register ring whose weights are prefetched into L2 (0: none). H100,
+  // 8192 x 28672 and 28672 x 8192, M = 1 (tools/qlinear_check, two runs each): int8 94-96 us
+  // with 2 against 102-103 without (1 or 3: 96-99); int4 57-59 either way (its loop is
+  // bound by the widening, not by load latency) and int8 at M = 16 1% slower, so only int8
+  // with one token tile prefetches.
+  static constexpr int kPrefetch = kBits == 8 && kNT == 1 ? 2 : 0;
+  static constexpr int kWPL = QWordsPerLane(kBits);  // 32-bit words per lane per tile
+  static constexpr int kWPT = QWordsPerTile(kBits);  // words per tile
 };
 constexpr int kGemvMinBlocks = 2;            // resident blocks per SM: <= 128 registers
 constexpr int kGemvSmemBudget = 100 * 1024;  // shared bytes per block (2 per SM on an H100)
@@ -856,6 +863,15 @@ __device__ __forceinline__ void GemvLoadTile(uint32_t (&w)[kWPL], const int32_t*
         : "+r"(w[4 * h]), "+r"(w[4 * h + 1]), "+r"(w[4 * h + 2]), "+r"(w[4 * h + 3])
         : "l"(src + 4 * h), "r"(int(pred)));
   }
+}
+
+// A hint that moves a lane's line of a later tile from HBM into L2 (no registers held), so
+// that the ring's load of it waits on L2's latency instead of HBM's.
+__device__ __forceinline__ void GemvPrefetchL2(const int32_t* src, bool pred) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %1, 0;\n"
+      "@p prefetch.global.L2 [%0];\n}\n" ::"l"(src),
+      "r"(int(pred)));
 }
 
 __device__ __forceinline__ uint4 LdShared128(uint32_t at) {
@@ -1046,6 +1062,14 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
         const uint32_t slab_j = slab_w + uint32_t(j * a.slab_rows * 8 * kGemvEntryBytes);
         const bool refill = i + kDepth < cnt;
         const int32_t* w_next = w_warp + (i + kDepth) * nstride;
+        if constexpr (GC::kPrefetch > 0) {
+          const bool pf = i + kDepth + GC::kPrefetch < cnt;
+          const int32_t* w_pf = w_warp + (i + kDepth + GC::kPrefetch) * nstride;
+#pragma unroll
+          for (int kk = 0; kk < kKS; ++kk) {
+            GemvPrefetchL2(w_pf + kk * kstride, pf && (kvalid >> kk & 1u));
+          }
+        }
         float acc[kNT][4] = {};
 #pragma unroll
         for (int kk = 0; kk < kKS; ++kk) {
