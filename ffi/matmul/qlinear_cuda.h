@@ -20,9 +20,10 @@ namespace jaxgpu::cuda {
 cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 
 // Which kernel LaunchQLinearPath runs. kAuto: the GEMV kernel (weights straight into
-// registers) where QLinearGemvEligible(p), else the staged kernel (cp.async ring through
-// shared memory); in a JAXGPU_DEV_KNOBS build JAXGPU_QLINEAR_GEMV=-1 makes it the staged
-// one always. kStaged: the staged kernel; kGemv: as kAuto without the knob.
+// registers) where QLinearGemvEligible(p) and it measured faster (int4 with a short last K
+// split takes the staged kernel), else the staged kernel (cp.async ring through shared
+// memory); in a JAXGPU_DEV_KNOBS build JAXGPU_QLINEAR_GEMV=-1 makes it the staged one
+// always. kStaged: the staged kernel; kGemv: the GEMV kernel wherever it is eligible.
 // Both follow qlinear_params.h's math exactly; their float32 sums run in different orders.
 enum class QLinearPath : int { kAuto = 0, kStaged = 1, kGemv = 2 };
 cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLinearPath path);

@@ -1188,9 +1188,27 @@ bool GemvEligible(const QLinearParams& p) {
   return GemvPlanK(p).splits <= GemvWorkspaceSplits(p);
 }
 
+// Whether kAuto sends an eligible p to the GEMV kernel. Not int4 when K's last split is
+// under half a block's span: that split's blocks keep one or two warps busy while the
+// others' span costs a full one, and the staged kernel was faster there. H100, M = 1, per
+// call from a CUDA graph on distinct weights (tools/qlinear_check --shape), staged / GEMV
+// us: K 2304 (last split 4 of 32 k tiles) x N 1024, 2048, 4096, 9216, 18432: 5.7 / 6.4,
+// 6.7 / 8.3, 7.9 / 9.0, 12.0 / 13.6, 16.7 / 18.6; K 2560 x 10240 12.6 / 13.9; K 4608 x 4608
+// 11.6 / 12.0; K 6912 x 1152 7.9 / 8.9. Half a span or more (K 3072, 9216) ran alike; even
+// splits and single spans favour the GEMV kernel (8192 x 28672 63.8 / 52.3, 10240 x 2560
+// 13.3 / 12.4, 1152 x 1024 6.0 / 4.9). int8 took the GEMV kernel's side at every shape.
+bool GemvPreferred(const QLinearParams& p) {
+  if (!GemvEligible(p)) return false;
+  if (p.bits != 4) return true;
+  const GemvKPlan plan = GemvPlanK(p);
+  const int64_t span = int64_t(plan.kw) * GemvKTilesPerWarp(p.bits, GemvTokenTiles(p.m));
+  const int64_t last = QTilesK(p.k) - (plan.splits - 1) * span;
+  return plan.splits == 1 || 2 * last >= span;
+}
+
 // Developer knob (common/dev_knobs.h, a JAXGPU_DEV_KNOBS build):
 // JAXGPU_QLINEAR_GEMV=<path>[,<nb>]: path = -1 sends every call of LaunchQLinear to the
-// staged kernel (default: the GEMV kernel where eligible); nb (> 0) forces the GEMV
+// staged kernel (default: the GEMV kernel where GemvPreferred); nb (> 0) forces the GEMV
 // kernel's n-tiles per block (within the shared-memory budget).
 const DevKnob& GemvKnob() {
   static const DevKnob knob = ReadDevKnob("JAXGPU_QLINEAR_GEMV");
@@ -1314,10 +1332,11 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
       qlinear::QLinearReduceKernel<T><<<qlinear::ReduceBlocks(p, sms), 256, 0, stream>>>(p, 0);
       return cudaGetLastError();
     }
-    const bool gemv =
-        (path == QLinearPath::kGemv ||
-         (path == QLinearPath::kAuto && !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1))) &&
-        qlinear::GemvEligible(p);
+    const bool gemv = path == QLinearPath::kGemv
+                          ? qlinear::GemvEligible(p)
+                          : path == QLinearPath::kAuto &&
+                                !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1) &&
+                                qlinear::GemvPreferred(p);
     if (gemv) {
       return JAXGPU_INT_SWITCH(qlinear::GemvTokenTiles(p.m), kNT, (1, 2), [&] {
         if (p.bits == 4) {
