@@ -20,26 +20,20 @@ from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
 KERNEL = U.KERNEL_IMPL
 
 
-def _dequantized(qparams, params):
-  """The float params that qparams stand for: each projection dequantized and reshaped."""
-  layers = []
-  for q, p in zip(qparams["layers"], params["layers"]):
-    layers.append({name: (q[name].dequantize(p[name].dtype).reshape(p[name].shape)
-                          if name in quantize.CONTRACTED else q[name]) for name in q})
-  return {**qparams, "layers": layers}
-
-
+@pytest.mark.parametrize("fuse", (True, False), ids=("fused", "separate"))
 @pytest.mark.parametrize("bits", (8, 4))
 @pytest.mark.parametrize("version", (2, 3))
-def test_quantized_forward_is_the_dequantized_model(bits, version):
+def test_quantized_forward_is_the_dequantized_model(bits, version, fuse):
   config = gemma.Config.tiny(version)
   params = U.random_params(config, seed=bits + version)
-  qparams = gemma.quantize_params(params, config, bits=bits, group_size=32)
+  qparams = gemma.quantize_params(params, config, bits=bits, group_size=32, fuse=fuse)
+  assert ("qkv" in qparams["layers"][0]) == fuse and ("gate_up" in qparams["layers"][0]) == fuse
   gemma.check_params(qparams, config)
   tokens = jnp.asarray(np.random.default_rng(0).integers(2, config.vocab_size, (2, 11)),
                        jnp.int32)
   got = gemma.forward(qparams, config, tokens, implementation=KERNEL)
-  want = gemma.forward(_dequantized(qparams, params), config, tokens, implementation="xla")
+  want = gemma.forward(quantize.dequantize_params(qparams, config, params["embed"].dtype),
+                       config, tokens, implementation="xla")
   full = gemma.forward(params, config, tokens, implementation="xla")
   scale = float(jnp.max(jnp.abs(want)))
   assert U.max_abs(got, want) <= 1e-4 * scale, U.max_abs(got, want)
@@ -55,8 +49,8 @@ def test_quantized_generation_runs_the_quantized_kernel():
   params = U.random_params(config, seed=5)
   qparams = gemma.quantize_params(params, config, bits=4, group_size=32)
   out = gemma.generate(qparams, config, [[3, 4, 5], [6, 7]], 4, implementation=KERNEL)
-  want = gemma.generate(_dequantized(qparams, params), config, [[3, 4, 5], [6, 7]], 4,
-                        implementation="xla")
+  want = gemma.generate(quantize.dequantize_params(qparams, config), config,
+                        [[3, 4, 5], [6, 7]], 4, implementation="xla")
   assert np.array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
   # bf16 activations: the quantized kernel's dtype (a float32 x takes the dense route on a
   # GPU).
@@ -76,4 +70,15 @@ def test_check_params_rejects_a_misshapen_quantized_weight():
   bad = dict(qparams["layers"][0])
   bad["o"] = jaxgpu.quantize_weight(jnp.ones((16, 8), jnp.float32), bits=8, group_size=None)
   with pytest.raises(ValueError, match="'o'"):
+    gemma.check_params({**qparams, "layers": [bad] + qparams["layers"][1:]}, config)
+  # A fused q, k, v matrix one head short.
+  bad = dict(qparams["layers"][0])
+  k, n = bad["qkv"].shape
+  bad["qkv"] = jaxgpu.quantize_weight(jnp.ones((k, n - config.head_dim), jnp.float32), bits=8,
+                                      group_size=None)
+  with pytest.raises(ValueError, match="'qkv'"):
+    gemma.check_params({**qparams, "layers": [bad] + qparams["layers"][1:]}, config)
+  # Fused and separate parts of one group together.
+  bad = dict(qparams["layers"][0], q=params["layers"][0]["q"])
+  with pytest.raises(ValueError, match="unexpected entries"):
     gemma.check_params({**qparams, "layers": [bad] + qparams["layers"][1:]}, config)

@@ -144,13 +144,29 @@ def project(x, w, equation: str, out_dims: tuple[int, ...], contracted: int, imp
   return jnp.einsum(equation, x, w)
 
 
+def project_fused(x, w, out_dims: tuple[tuple[int, ...], ...], implementation):
+  """x (..., D) through a fused QuantizedWeight (quantize.FUSED: the parts' matrices
+  concatenated along N): one jaxgpu.linear, its columns split into each part's
+  (..., *out_dims[i])."""
+  y = jaxgpu.linear(x, w, implementation=implementation)
+  lead, outs, start = x.shape[:-1], [], 0
+  for dims in out_dims:
+    width = math.prod(dims)
+    outs.append(y[..., start:start + width].reshape(lead + tuple(dims)))
+    start += width
+  return outs
+
+
 def mlp(p, y, config: Config, implementation, mesh=None):
   """down(gelu_tanh(y @ gate) * (y @ up)) for y (B, T, D)."""
   ffn = sharding.MODEL if sharding.ffn_sharded(config, mesh) else None
   batch = sharding.batch_axis(mesh)
   f, d = config.ffn_dim, config.d_model
-  gate = project(y, p["gate"], "btd,df->btf", (f,), 1, implementation)
-  up = project(y, p["up"], "btd,df->btf", (f,), 1, implementation)
+  if "gate_up" in p:
+    gate, up = project_fused(y, p["gate_up"], ((f,), (f,)), implementation)
+  else:
+    gate = project(y, p["gate"], "btd,df->btf", (f,), 1, implementation)
+    up = project(y, p["up"], "btd,df->btf", (f,), 1, implementation)
   gate = sharding.constrain(gate, mesh, batch, None, ffn)
   up = sharding.constrain(up, mesh, batch, None, ffn)
   a = jaxgpu.geglu(gate, up, approximate=True, implementation=implementation)
@@ -184,9 +200,12 @@ def block(p, h, d, positions, *, attend, config: Config, layer: int, implementat
   else:
     y, h = rms_norm(d, p["attn_pre_norm"], config, impl, residual=h)
   n, kv, hd = config.n_heads, config.n_kv_heads, config.head_dim
-  q = project(y, p["q"], "btd,dnh->btnh", (n, hd), 1, impl)
-  k = project(y, p["k"], "btd,dkh->btkh", (kv, hd), 1, impl)
-  v = project(y, p["v"], "btd,dkh->btkh", (kv, hd), 1, impl)
+  if "qkv" in p:
+    q, k, v = project_fused(y, p["qkv"], ((n, hd), (kv, hd), (kv, hd)), impl)
+  else:
+    q = project(y, p["q"], "btd,dnh->btnh", (n, hd), 1, impl)
+    k = project(y, p["k"], "btd,dkh->btkh", (kv, hd), 1, impl)
+    v = project(y, p["v"], "btd,dkh->btkh", (kv, hd), 1, impl)
   if config.qk_norm:
     q = rms_norm(q, p["q_norm"], config, impl)
     k = rms_norm(k, p["k_norm"], config, impl)

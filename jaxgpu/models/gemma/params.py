@@ -99,9 +99,13 @@ def check_params(params, config: Config) -> None:
   def check(path, a, shape, name=None):
     if a is None:
       raise ValueError(f"params{path}: missing")
-    if isinstance(a, jaxgpu.QuantizedWeight) and name in quantize.CONTRACTED:
-      # A quantized projection (quantize.py): its matrix form, scales in the params' dtype.
-      shape, a = quantize.matrix_shape(name, shape), a.scales
+    if isinstance(a, jaxgpu.QuantizedWeight) and (name in quantize.CONTRACTED or
+                                                  name in quantize.FUSED):
+      # A quantized projection (quantize.py): its matrix form (a fused one's shape is
+      # already that), scales in the params' dtype.
+      if name in quantize.CONTRACTED:
+        shape = quantize.matrix_shape(name, shape)
+      a = a.scales
       if tuple(a.shape[1:]) != shape[1:]:
         raise ValueError(f"params{path}: expected a quantized {shape} matrix")
       if a.dtype != dtype:
@@ -116,6 +120,7 @@ def check_params(params, config: Config) -> None:
   for name in ("embed", "final_norm"):
     check(f"[{name!r}]", params.get(name), expected[name])
   for i, (layer, shapes) in enumerate(zip(layers, expected["layers"])):
+    shapes = quantize.fused_shapes(shapes, layer)
     extra = set(layer) - set(shapes)
     if extra:
       raise ValueError(f"params['layers'][{i}]: unexpected entries {sorted(extra)}")
