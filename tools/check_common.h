@@ -25,6 +25,35 @@
 
 namespace jaxgpu::check {
 
+// Microseconds per call of a CUDA graph of `calls` launches: the median of `reps` timed
+// replays on `stream`, after one untimed replay.
+inline double GraphUsPerCall(cudaGraphExec_t exec, cudaStream_t stream, int calls, int reps) {
+  cudaEvent_t e0, e1;
+  CK(cudaEventCreate(&e0));
+  CK(cudaEventCreate(&e1));
+  CK(cudaGraphLaunch(exec, stream));
+  float us[64];
+  if (reps > 64) reps = 64;
+  for (int r = 0; r < reps; ++r) {
+    CK(cudaEventRecord(e0, stream));
+    CK(cudaGraphLaunch(exec, stream));
+    CK(cudaEventRecord(e1, stream));
+    CK(cudaEventSynchronize(e1));
+    float ms = 0;
+    CK(cudaEventElapsedTime(&ms, e0, e1));
+    us[r] = ms * 1000.f / float(calls);
+  }
+  for (int i = 1; i < reps; ++i)  // insertion sort: a handful of values
+    for (int j = i; j > 0 && us[j] < us[j - 1]; --j) {
+      const float t = us[j];
+      us[j] = us[j - 1];
+      us[j - 1] = t;
+    }
+  CK(cudaEventDestroy(e0));
+  CK(cudaEventDestroy(e1));
+  return us[reps / 2];
+}
+
 // The bits of f rounded to bf16 or f16 (round to nearest even).
 inline uint16_t HalfBits(DType t, float f) {
   uint16_t u;

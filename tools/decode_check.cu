@@ -408,19 +408,7 @@ void TimeCase(const Case& c, int iters, double copy) {
     for (int i = 0; i < 64; ++i) CK(jaxgpu::cuda::LaunchPagedAttention(pr.p, s));
     CK(cudaStreamEndCapture(s, &graph));
     CK(cudaGraphInstantiate(&exec, graph, 0));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaStreamSynchronize(s));
-    std::vector<float> gms;
-    for (int i = 0; i < 10; ++i) {
-      CK(cudaEventRecord(e0, s));
-      CK(cudaGraphLaunch(exec, s));
-      CK(cudaEventRecord(e1, s));
-      CK(cudaEventSynchronize(e1));
-      float t;
-      CK(cudaEventElapsedTime(&t, e0, e1));
-      gms.push_back(t / 64);
-    }
-    graph_us = MedianUs(gms);
+    graph_us = GraphUsPerCall(exec, s, 64, 10);
     CK(cudaGraphExecDestroy(exec));
     CK(cudaGraphDestroy(graph));
     CK(cudaStreamDestroy(s));

@@ -395,18 +395,7 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
       CK(cudaStreamEndCapture(stream, &graph));
       cudaGraphExec_t exec;
       CK(cudaGraphInstantiate(&exec, graph, 0));
-      std::vector<float> reps;
-      for (int r = 0; r < 6; ++r) {
-        CK(cudaEventRecord(e0, stream));
-        CK(cudaGraphLaunch(exec, stream));
-        CK(cudaEventRecord(e1, stream));
-        CK(cudaEventSynchronize(e1));
-        float ms = 0;
-        CK(cudaEventElapsedTime(&ms, e0, e1));
-        if (r > 0) reps.push_back(ms * 1000.f / float(calls));
-      }
-      std::sort(reps.begin(), reps.end());
-      us.push_back(reps[reps.size() / 2]);
+      us.push_back(GraphUsPerCall(exec, stream, int(calls), 5));
       CK(cudaGraphExecDestroy(exec));
       CK(cudaGraphDestroy(graph));
     }
