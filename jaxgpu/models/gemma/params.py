@@ -105,11 +105,12 @@ def check_params(params, config: Config) -> None:
       # already that), scales in the params' dtype.
       if name in quantize.CONTRACTED:
         shape = quantize.matrix_shape(name, shape)
-      a = a.scales
-      if tuple(a.shape[1:]) != shape[1:]:
-        raise ValueError(f"params{path}: expected a quantized {shape} matrix")
-      if a.dtype != dtype:
-        raise ValueError(f"params{path}: expected scales of dtype {dtype}, got {a.dtype}")
+      if tuple(a.shape) != tuple(shape):
+        raise ValueError(f"params{path}: expected a quantized {shape} matrix, got "
+                         f"{tuple(a.shape)}")
+      if a.scales.dtype != dtype:
+        raise ValueError(f"params{path}: expected scales of dtype {dtype}, got "
+                         f"{a.scales.dtype}")
       return
     if tuple(a.shape) != shape:
       raise ValueError(f"params{path}: expected shape {shape}, got {tuple(a.shape)}")
