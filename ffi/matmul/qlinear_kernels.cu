@@ -100,6 +100,19 @@ using attention::sm80::MmaType;
 #ifndef JAXGPU_QLINEAR_MIN_BLOCKS16
 #define JAXGPU_QLINEAR_MIN_BLOCKS16 3
 #endif
+// The GEMV kernel's int8 with one token tile (the defaults measured best so far): k tiles
+// per warp, the register ring's depth in n-tiles, and the L2 prefetch distance past it. A
+// candidate to measure: 4 k tiles a warp (half the K splits, so half the reduction's
+// traffic) with a ring of 1 n-tile, the L2 prefetch hiding HBM's latency instead.
+#ifndef JAXGPU_QLINEAR_GEMV_KS8
+#define JAXGPU_QLINEAR_GEMV_KS8 2
+#endif
+#ifndef JAXGPU_QLINEAR_GEMV_DEPTH8
+#define JAXGPU_QLINEAR_GEMV_DEPTH8 2
+#endif
+#ifndef JAXGPU_QLINEAR_GEMV_PREFETCH8
+#define JAXGPU_QLINEAR_GEMV_PREFETCH8 2
+#endif
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
@@ -801,7 +814,7 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // kNT: mma n8 token tiles (M <= 8 kNT). Two tiles double x's registers, so int4 takes 2 k
 // tiles a warp there (x: 2 x 16 x kKS registers).
 __host__ __device__ constexpr int GemvKTilesPerWarp(int bits, int nt) {
-  return bits == 4 && nt == 1 ? 4 : 2;
+  return nt != 1 ? 2 : bits == 4 ? 4 : JAXGPU_QLINEAR_GEMV_KS8;
 }
 // Rows of x the GEMV kernel serves: 8 (one token tile), int8 16 (two). At M = 16 (H200,
 // 8192 x 28672 and 28672 x 8192) the int8 GEMV kernel took 118-135 us against the staged
@@ -813,13 +826,14 @@ constexpr int GemvTokenTiles(int64_t m) { return m <= 8 ? 1 : 2; }
 template <int kBits, int kNT = 1>
 struct GemvConfig {
   static constexpr int kKS = GemvKTilesPerWarp(kBits, kNT);  // k tiles per warp slice
-  static constexpr int kDepth = 2;                           // n-tiles of loads in flight per warp
+  // n-tiles of loads in flight per warp
+  static constexpr int kDepth = kBits == 8 && kNT == 1 ? JAXGPU_QLINEAR_GEMV_DEPTH8 : 2;
   // n-tiles past the register ring whose weights are prefetched into L2 (0: none). H100,
   // 8192 x 28672 and 28672 x 8192, M = 1 (tools/qlinear_check, two runs each): int8 94-96 us
   // with 2 against 102-103 without (1 or 3: 96-99); int4 57-59 either way (its loop is
   // bound by the widening, not by load latency) and int8 at M = 16 1% slower, so only int8
   // with one token tile prefetches.
-  static constexpr int kPrefetch = kBits == 8 && kNT == 1 ? 2 : 0;
+  static constexpr int kPrefetch = kBits == 8 && kNT == 1 ? JAXGPU_QLINEAR_GEMV_PREFETCH8 : 0;
   static constexpr int kWPL = QWordsPerLane(kBits);  // 32-bit words per lane per tile
   static constexpr int kWPT = QWordsPerTile(kBits);  // words per tile
 };
