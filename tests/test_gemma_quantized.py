@@ -12,7 +12,6 @@ import pytest
 
 import jaxgpu
 from jaxgpu.models import gemma
-from jaxgpu.models.gemma import quantize
 
 import gemma_util as U
 from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
@@ -32,7 +31,7 @@ def test_quantized_forward_is_the_dequantized_model(bits, version, fuse):
   tokens = jnp.asarray(np.random.default_rng(0).integers(2, config.vocab_size, (2, 11)),
                        jnp.int32)
   got = gemma.forward(qparams, config, tokens, implementation=KERNEL)
-  want = gemma.forward(quantize.dequantize_params(qparams, config, params["embed"].dtype),
+  want = gemma.forward(gemma.dequantize_params(qparams, config, params["embed"].dtype),
                        config, tokens, implementation="xla")
   full = gemma.forward(params, config, tokens, implementation="xla")
   scale = float(jnp.max(jnp.abs(want)))
@@ -49,7 +48,7 @@ def test_quantized_generation_runs_the_quantized_kernel():
   params = U.random_params(config, seed=5)
   qparams = gemma.quantize_params(params, config, bits=4, group_size=32)
   out = gemma.generate(qparams, config, [[3, 4, 5], [6, 7]], 4, implementation=KERNEL)
-  want = gemma.generate(quantize.dequantize_params(qparams, config), config,
+  want = gemma.generate(gemma.dequantize_params(qparams, config), config,
                         [[3, 4, 5], [6, 7]], 4, implementation="xla")
   assert np.array_equal(np.asarray(out.tokens), np.asarray(want.tokens))
   # bf16 activations: the quantized kernel's dtype (a float32 x takes the dense route on a

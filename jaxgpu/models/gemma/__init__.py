@@ -11,6 +11,7 @@ JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
                PagedCache (the paged KV cache), resolve_cache, shard_cache,
                cache_shardings
   quantize.py  quantize_params: int8 / int4 projection weights for generation
+               (q, k, v and gate, up fused by default); dequantize_params
   sharding.py  param_specs, param_shardings, shard_params, batch_sharding, shard_batch
   checkpoint.py  load_hf_checkpoint, save_hf_checkpoint, config_from_hf, hf_config_from
 """
@@ -24,7 +25,7 @@ from jaxgpu.models.gemma.generate import (GenerateOutput, PagedCache, Sampling,
                                           shard_cache)
 from jaxgpu.models.gemma.model import forward, hidden_states, loss
 from jaxgpu.models.gemma.params import check_params, init_params, param_shapes
-from jaxgpu.models.gemma.quantize import quantize_params
+from jaxgpu.models.gemma.quantize import dequantize_params, quantize_params
 from jaxgpu.models.gemma.sharding import (batch_sharding, param_shardings, param_specs,
                                           shard_batch, shard_params)
 from jaxgpu.models.gemma.train import (AdamW, compute_params, init_opt_state, opt_state_specs,
@@ -43,6 +44,7 @@ __all__ = [
     "config_from_hf",
     "decode",
     "decode_step",
+    "dequantize_params",
     "empty_cache",
     "forward",
     "generate",
