@@ -1209,8 +1209,9 @@ bool GemvEligible(const QLinearParams& p) {
 // us: K 2304 (last split 4 of 32 k tiles) x N 1024, 2048, 4096, 9216, 18432: 5.7 / 6.4,
 // 6.7 / 8.3, 7.9 / 9.0, 12.0 / 13.6, 16.7 / 18.6; K 2560 x 10240 12.6 / 13.9; K 4608 x 4608
 // 11.6 / 12.0; K 6912 x 1152 7.9 / 8.9. Half a span or more (K 3072, 9216) ran alike; even
-// splits and single spans favour the GEMV kernel (8192 x 28672 63.8 / 52.3, 10240 x 2560
-// 13.3 / 12.4, 1152 x 1024 6.0 / 4.9). int8 took the GEMV kernel's side at every shape.
+// splits mostly favour the GEMV kernel (8192 x 28672 63.8 / 52.3, 10240 x 2560 13.3 / 12.4,
+// 1152 x 1024 6.0 / 4.9; but 2048 x 2304, one span, 6.4 / 6.9). int8 took the GEMV
+// kernel's side at every shape.
 bool GemvPreferred(const QLinearParams& p) {
   if (!GemvEligible(p)) return false;
   if (p.bits != 4) return true;
