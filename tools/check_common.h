@@ -6,11 +6,13 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <vector>
 
 #include "common/dtype.h"
 
@@ -32,8 +34,7 @@ inline double GraphUsPerCall(cudaGraphExec_t exec, cudaStream_t stream, int call
   CK(cudaEventCreate(&e0));
   CK(cudaEventCreate(&e1));
   CK(cudaGraphLaunch(exec, stream));
-  float us[64];
-  if (reps > 64) reps = 64;
+  std::vector<float> us;
   for (int r = 0; r < reps; ++r) {
     CK(cudaEventRecord(e0, stream));
     CK(cudaGraphLaunch(exec, stream));
@@ -41,17 +42,12 @@ inline double GraphUsPerCall(cudaGraphExec_t exec, cudaStream_t stream, int call
     CK(cudaEventSynchronize(e1));
     float ms = 0;
     CK(cudaEventElapsedTime(&ms, e0, e1));
-    us[r] = ms * 1000.f / float(calls);
+    us.push_back(ms * 1000.f / float(calls));
   }
-  for (int i = 1; i < reps; ++i)  // insertion sort: a handful of values
-    for (int j = i; j > 0 && us[j] < us[j - 1]; --j) {
-      const float t = us[j];
-      us[j] = us[j - 1];
-      us[j - 1] = t;
-    }
   CK(cudaEventDestroy(e0));
   CK(cudaEventDestroy(e1));
-  return us[reps / 2];
+  std::sort(us.begin(), us.end());
+  return us[us.size() / 2];
 }
 
 // The bits of f rounded to bf16 or f16 (round to nearest even).

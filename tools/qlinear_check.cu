@@ -364,22 +364,26 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
   // its own (a pool of at least 256 MiB, past the 50 MB L2, as a model's layers are), so that
   // neither the host's launch latency nor L2 hits are in the figure.
   {
+    // Three pools (weights, scales, zeros), call c's at c times each stride (256-aligned).
     const int64_t w_bytes = (words * 4 + 255) / 256 * 256;
-    const int64_t s_bytes = (R * N * 2 + 255) / 256 * 256, z_bytes = (R * N + 255) / 256 * 256;
-    const int64_t per_call = w_bytes + s_bytes + (zeros ? z_bytes : 0);
-    const int64_t calls =
-        std::min<int64_t>(512, std::max<int64_t>(8, (int64_t(256) << 20) / per_call));
-    unsigned char* pool = nullptr;
-    CK(cudaMalloc(&pool, calls * per_call));
-    FillWords<<<1024, 256>>>(reinterpret_cast<uint32_t*>(pool), calls * per_call / 4, 23u);
-    for (int64_t c = 0; c < calls; ++c) {  // scales in range, int4 zero points < 16
-      void* sc = pool + c * per_call + w_bytes;
-      if (dtype == DType::kBF16) {
-        FillHalf<<<256, 256>>>(static_cast<__nv_bfloat16*>(sc), R * N, 0.001f, 0.01f, 7u);
-      } else {
-        FillHalf<<<256, 256>>>(static_cast<__half*>(sc), R * N, 0.001f, 0.01f, 7u);
-      }
-      if (zeros) CK(cudaMemset(pool + c * per_call + w_bytes + s_bytes, 3, R * N));
+    const int64_t s_elems = (R * N + 127) / 128 * 128, z_bytes = (R * N + 255) / 256 * 256;
+    const int64_t calls = std::min<int64_t>(
+        512, std::max<int64_t>(
+                 8, (int64_t(256) << 20) / (w_bytes + s_elems * 2 + (zeros ? z_bytes : 0))));
+    unsigned char *w_pool = nullptr, *s_pool = nullptr, *z_pool = nullptr;
+    CK(cudaMalloc(&w_pool, calls * w_bytes));
+    CK(cudaMalloc(&s_pool, calls * s_elems * 2));
+    FillWords<<<1024, 256>>>(reinterpret_cast<uint32_t*>(w_pool), calls * w_bytes / 4, 23u);
+    if (dtype == DType::kBF16) {  // scales in range
+      FillHalf<<<1024, 256>>>(reinterpret_cast<__nv_bfloat16*>(s_pool), calls * s_elems, 0.001f,
+                              0.01f, 7u);
+    } else {
+      FillHalf<<<1024, 256>>>(reinterpret_cast<__half*>(s_pool), calls * s_elems, 0.001f, 0.01f,
+                              7u);
+    }
+    if (zeros) {  // int4 zero points < 16
+      CK(cudaMalloc(&z_pool, calls * z_bytes));
+      CK(cudaMemset(z_pool, 3, calls * z_bytes));
     }
     cudaStream_t stream;
     CK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -387,9 +391,9 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
       cudaGraph_t graph;
       CK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeThreadLocal));
       for (int64_t c = 0; c < calls; ++c) {
-        p.packed = reinterpret_cast<const int32_t*>(pool + c * per_call);
-        p.scales = pool + c * per_call + w_bytes;
-        p.zeros = zeros ? pool + c * per_call + w_bytes + s_bytes : nullptr;
+        p.packed = reinterpret_cast<const int32_t*>(w_pool + c * w_bytes);
+        p.scales = s_pool + c * s_elems * 2;
+        p.zeros = zeros ? z_pool + c * z_bytes : nullptr;
         CK(jaxgpu::cuda::LaunchQLinearPath(p, stream, path));
       }
       CK(cudaStreamEndCapture(stream, &graph));
@@ -400,7 +404,9 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
       CK(cudaGraphDestroy(graph));
     }
     CK(cudaStreamDestroy(stream));
-    cudaFree(pool);
+    cudaFree(w_pool);
+    cudaFree(s_pool);
+    if (z_pool) cudaFree(z_pool);
   }
   for (int b = 0; b < kBuffers; ++b) {
     cudaFree(packed[b]);

@@ -1168,14 +1168,16 @@ __global__ void __launch_bounds__(kThreads, kGemvMinBlocks) QLinearGemvKernel(co
 // K, at most 8) and the K splits (one per block span of kw * kKS k tiles).
 struct GemvKPlan {
   int kw;
+  int span;  // k tiles per block: kw * kKS
   int64_t splits;
 };
 GemvKPlan GemvPlanK(const QLinearParams& p) {
   const int ks = GemvKTilesPerWarp(p.bits, GemvTokenTiles(p.m));
   const int64_t need = CeilDiv(QTilesK(p.k), ks);
-  GemvKPlan plan{1, 0};
+  GemvKPlan plan{1, 0, 0};
   while (plan.kw < kWarps && plan.kw < need) plan.kw *= 2;
-  plan.splits = CeilDiv(QTilesK(p.k), int64_t(plan.kw) * ks);
+  plan.span = plan.kw * ks;
+  plan.splits = CeilDiv(QTilesK(p.k), int64_t(plan.span));
   return plan;
 }
 
@@ -1216,9 +1218,8 @@ bool GemvPreferred(const QLinearParams& p) {
   if (!GemvEligible(p)) return false;
   if (p.bits != 4) return true;
   const GemvKPlan plan = GemvPlanK(p);
-  const int64_t span = int64_t(plan.kw) * GemvKTilesPerWarp(p.bits, GemvTokenTiles(p.m));
-  const int64_t last = QTilesK(p.k) - (plan.splits - 1) * span;
-  return plan.splits == 1 || 2 * last >= span;
+  const int64_t last = QTilesK(p.k) - (plan.splits - 1) * plan.span;
+  return plan.splits == 1 || 2 * last >= plan.span;
 }
 
 // Developer knob (common/dev_knobs.h, a JAXGPU_DEV_KNOBS build):
@@ -1256,7 +1257,7 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
   const GemvKPlan plan = GemvPlanK(p);
   a.kw = plan.kw;
   a.nw = kWarps / a.kw;
-  a.round_tiles = a.kw * GC::kKS;
+  a.round_tiles = plan.span;
   a.splits = int(plan.splits);
   if (a.splits > GemvWorkspaceSplits(p)) return cudaErrorInvalidValue;  // not GemvEligible
   a.scale_rows = int(QScaleRows(p));

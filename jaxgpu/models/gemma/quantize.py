@@ -58,10 +58,10 @@ def quantize_params(params: dict, config: Config, *, bits: int = 8,
   del config  # the shapes come from the weights
   symmetric = (bits == 8) if symmetric is None else symmetric
 
-  def quantize(matrix, dtype):
+  def quantize(matrix):  # scales in the weights' dtype
     gs = group_size if group_size is not None and matrix.shape[0] % group_size == 0 else None
     return jaxgpu.quantize_weight(matrix, bits=bits, group_size=gs, symmetric=symmetric,
-                                  scale_dtype=dtype)
+                                  scale_dtype=matrix.dtype)
 
   layers = []
   for layer in params["layers"]:
@@ -73,7 +73,7 @@ def quantize_params(params: dict, config: Config, *, bits: int = 8,
         out[fused] = jnp.concatenate([out.pop(part) for part in parts], axis=1)
     for name in list(out):
       if name in CONTRACTED or name in FUSED:
-        out[name] = quantize(out[name], out[name].dtype)
+        out[name] = quantize(out[name])
     layers.append(out)
   return {**params, "layers": layers}
 
