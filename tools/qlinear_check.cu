@@ -2,7 +2,8 @@
 // (ffi/matmul/qlinear_kernels.cu) against a float64 host reference:
 //
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/qc \
-//       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu && /tmp/qc [--no-time] [--gemv]
+//       tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu ffi/matmul/qlinear_wgmma_sm90.cu \
+//       && /tmp/qc [--no-time] [--gemv | --wgmma]
 //   /tmp/qc --time-only --gemv --shape 2304x9216 --shape 9216x2304   # other weights, K x N
 //
 // --gemv: the correctness suite (plus cases for its M <= 16 shapes) through the GEMV kernel
@@ -12,6 +13,10 @@
 //   ncu --set full -k regex:QLinearGemvKernel -c 1 -o /tmp/qgemv /tmp/qc --gemv --one
 // (--one: only int4 K = 8192 at M = 1 and 16; the staged kernel: -k regex:QLinearKernel).
 //
+// --wgmma: the same through the Hopper kernel (kWgmma; cases it cannot serve run the staged
+// kernel and are counted apart), plus cases for its shapes (M from 17 to 300 across token
+// chunks, N across 128-feature blocks, split and unsplit K), and the speed table from M = 16
+// to 4096 (the staged kernel beside it up to M = 256).
 // Correctness: random x, q, scales, zeros and bias, packed on the host with QPackedAt, for
 // bf16 / f16 x int4 / int8, odd sizes, every activation, batched groups with shared or
 // per-group weights and workspaces that allow many, few or no splits. The reference
@@ -73,7 +78,7 @@ struct Case {
 jaxgpu::cuda::QLinearPath g_path = jaxgpu::cuda::QLinearPath::kAuto;
 
 struct Totals {
-  int cases = 0, failed = 0, gemv = 0;
+  int cases = 0, failed = 0, gemv = 0, wgmma = 0;
   double worst_ratio = 0, worst_rel = 0;
 };
 
@@ -150,6 +155,8 @@ void RunCase(const Case& c, std::mt19937& rng, Totals& tot, bool verbose) {
   p.workspace_floats = ws;
   if (g_path == jaxgpu::cuda::QLinearPath::kGemv && jaxgpu::cuda::QLinearGemvEligible(p))
     tot.gemv++;
+  if (g_path == jaxgpu::cuda::QLinearPath::kWgmma && jaxgpu::cuda::QLinearWgmmaEligible(p))
+    tot.wgmma++;
   CK(jaxgpu::cuda::LaunchQLinearPath(p, 0, g_path));
   CK(cudaDeviceSynchronize());
   std::vector<uint16_t> y(G * M * N), y2(G * M * N);
@@ -332,6 +339,8 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
   for (auto path : paths) {
     if (path == jaxgpu::cuda::QLinearPath::kGemv && !jaxgpu::cuda::QLinearGemvEligible(p))
       std::printf("  (not GEMV-eligible: the gemv column times the staged kernel)\n");
+    if (path == jaxgpu::cuda::QLinearPath::kWgmma && !jaxgpu::cuda::QLinearWgmmaEligible(p))
+      std::printf("  (not wgmma-eligible: the wgmma column times the staged kernel)\n");
   }
   cudaEvent_t e0, e1;
   CK(cudaEventCreate(&e0));
@@ -425,7 +434,7 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
 
 int main(int argc, char** argv) {
   bool do_time = true, verbose = false, do_check = true, quick = false, one = false;
-  bool gemv = false;
+  bool gemv = false, wgmma = false;
   std::vector<std::pair<int64_t, int64_t>> shapes;  // the timed weights, K x N
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-time") do_time = false;
@@ -434,6 +443,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--one") one = true, do_check = false;
     if (std::string(argv[i]) == "--gemv") gemv = true;
+    if (std::string(argv[i]) == "--wgmma") wgmma = true;
     long long k = 0, n = 0;
     if (std::string(argv[i]) == "--shape" && i + 1 < argc &&
         std::sscanf(argv[++i], "%lldx%lld", &k, &n) == 2 && k > 0 && n > 0) {
@@ -442,6 +452,7 @@ int main(int argc, char** argv) {
   }
   if (shapes.empty()) shapes = {{8192, 28672}, {28672, 8192}};
   if (gemv) g_path = jaxgpu::cuda::QLinearPath::kGemv;
+  if (wgmma) g_path = jaxgpu::cuda::QLinearPath::kWgmma;
   std::mt19937 rng(12345);
   Totals tot;
   const QActivation acts[] = {QActivation::kNone, QActivation::kRelu, QActivation::kGeluTanh,
@@ -525,6 +536,40 @@ int main(int argc, char** argv) {
           ++idx;
         }
       }
+      // The Hopper kernel's shapes: token chunks of 32, 64 and 128 and their edges, N across
+      // 128-feature blocks (16 and 144: a partial block), K from one tile to many (ws_mode
+      // 1: no split), group sizes 64, 128 and K, shared and per-group weights.
+      for (int64_t M : {17, 32, 33, 64, 65, 128, 129, 300}) {
+        if (!wgmma) break;
+        for (int64_t K : {64, 200, 640, 4096}) {
+          for (int64_t N : {16, 144, 1024}) {
+            const int64_t gs = K % 128 == 0 && idx % 3 != 0 ? 128 : K % 64 == 0 && idx % 2 ? 64 : K;
+            Case c{dt,
+                   bits,
+                   1,
+                   1,
+                   int64_t(idx % 3 == 1 ? 0 : 1),
+                   M,
+                   K,
+                   N,
+                   gs,
+                   (idx / 2) % 2 == 0,
+                   acts[idx % 5],
+                   idx % 3};
+            RunCase(c, rng, tot, verbose);
+            ++idx;
+          }
+        }
+      }
+      for (int64_t Gw : {1, 3}) {
+        if (!wgmma) break;
+        for (int ws_mode : {0, 1, 2}) {
+          Case c{dt,     bits, 3, Gw, 3, 40, 2048 + 64, 272, 64, (idx % 2) == 0, acts[idx % 5],
+                 ws_mode};
+          RunCase(c, rng, tot, verbose);
+          ++idx;
+        }
+      }
       for (int ws_mode : {0, 1, 2}) {
         Case c{dt, bits, 2, 2, 2, 4, 8192, 48, 64, true, QActivation::kSilu, ws_mode};
         RunCase(c, rng, tot, verbose);
@@ -535,9 +580,9 @@ int main(int argc, char** argv) {
   }
   if (do_check)
     std::printf(
-        "correctness: %d cases (%d on the GEMV kernel), %d failed; worst err/tol %.3g, worst max "
-        "err / max|y| %.3g\n",
-        tot.cases, tot.gemv, tot.failed, tot.worst_ratio, tot.worst_rel);
+        "correctness: %d cases (%d on the GEMV kernel, %d on the Hopper kernel), %d failed; worst "
+        "err/tol %.3g, worst max err / max|y| %.3g\n",
+        tot.cases, tot.gemv, tot.wgmma, tot.failed, tot.worst_ratio, tot.worst_rel);
   if (!do_time) return tot.failed ? 1 : 0;
 
   std::printf("\ntiming (median of 30, us; weight GB/s = (packed + scales + zeros) / time)\n");
@@ -559,6 +604,35 @@ int main(int argc, char** argv) {
                     {"bf16 int8 per-channel sym", DType::kBF16, 8, 0, false},
                     {"bf16 int8 g128 sym", DType::kBF16, 8, 128, false},
                     {"f16 int8 per-channel sym", DType::kF16, 8, 0, false}};
+  if (wgmma) {
+    // The Hopper kernel from M = 16 to 4096, the staged kernel beside it up to M = 256.
+    std::printf("%-44s %6s %10s %10s %10s %8s %9s %12s %12s\n", "case", "M", "staged us",
+                "wgmma us", "GB/s", "speedup", "TFLOP/s", "graph staged", "graph wgmma");
+    for (auto [K, N] : shapes) {
+      for (const TC& tc : tcs) {
+        if (tc.dt == DType::kF16 || (quick && tc.gs == 128 && tc.bits == 8)) continue;
+        for (int64_t M : {16, 64, 128, 256, 1024, 4096}) {
+          if (quick && (M == 128 || M == 1024)) continue;
+          const bool staged = M <= 256;
+          std::vector<jaxgpu::cuda::QLinearPath> paths = {jaxgpu::cuda::QLinearPath::kWgmma};
+          if (staged) paths.insert(paths.begin(), jaxgpu::cuda::QLinearPath::kStaged);
+          double gbps = 0;
+          const std::vector<double> us =
+              TimeCase(tc.dt, tc.bits, K, N, M, tc.gs ? tc.gs : K, tc.zeros, paths, &gbps);
+          const size_t w = staged ? 1 : 0, np = paths.size();
+          if (staged) gbps *= us[0] / us[1];  // TimeCase's rate is the first path's
+          char name[96];
+          std::snprintf(name, sizeof(name), "%s K=%lld N=%lld", tc.name, (long long)K,
+                        (long long)N);
+          std::printf("%-44s %6lld %10.1f %10.1f %10.0f %7.2fx %9.1f %12.1f %12.1f\n", name,
+                      (long long)M, staged ? us[0] : 0.0, us[w], gbps, staged ? us[0] / us[w] : 0.0,
+                      2.0 * M * K * N / (us[w] * 1e-6) / 1e12, staged ? us[np] : 0.0, us[np + w]);
+          std::fflush(stdout);
+        }
+      }
+    }
+    return tot.failed ? 1 : 0;
+  }
   for (auto [K, N] : shapes) {
     for (const TC& tc : tcs) {
       for (int64_t M : {1, 4, 16, 64, 256}) {

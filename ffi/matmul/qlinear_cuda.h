@@ -21,15 +21,20 @@ cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 
 // Which kernel LaunchQLinearPath runs. kAuto: the GEMV kernel (weights straight into
 // registers) where QLinearGemvEligible(p) and it measured faster (int4 with a short last K
-// split takes the staged kernel), else the staged kernel (cp.async ring through shared
-// memory); in a JAXGPU_DEV_KNOBS build JAXGPU_QLINEAR_GEMV=-1 makes it the staged one
-// always. kStaged: the staged kernel; kGemv: the GEMV kernel wherever it is eligible.
-// Both follow qlinear_params.h's math exactly; their float32 sums run in different orders.
-enum class QLinearPath : int { kAuto = 0, kStaged = 1, kGemv = 2 };
+// split takes the staged kernel); from 17 rows the Hopper kernel (wgmma, sm_90a) where it
+// can serve p; else the staged kernel (cp.async ring through shared memory); in a
+// JAXGPU_DEV_KNOBS build JAXGPU_QLINEAR_GEMV=-1 takes the GEMV kernel out. kStaged: the
+// staged kernel; kGemv: the GEMV kernel wherever it is eligible; kWgmma: the Hopper kernel
+// wherever it can serve p (any M). All follow qlinear_params.h's math exactly; their float32
+// sums run in different orders.
+enum class QLinearPath : int { kAuto = 0, kStaged = 1, kGemv = 2, kWgmma = 3 };
 cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLinearPath path);
 
 // Whether the GEMV kernel serves p: M <= 8 (int8: 16) and group_size a multiple of 64 or K.
 bool QLinearGemvEligible(const QLinearParams& p);
+
+// Whether the Hopper kernel serves p (on this build and the current device).
+bool QLinearWgmmaEligible(const QLinearParams& p);
 
 // The float32 workspace LaunchQLinear can use for (groups, m, n) outputs: at most 32
 // splits of groups x m x n partial sums, capped at 2^22 floats (16 MiB); 0 for an empty

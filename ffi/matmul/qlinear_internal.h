@@ -1,0 +1,31 @@
+// What the quantized-linear launchers share across their files (qlinear_kernels.cu, the
+// mma.sync kernels and the dispatch; qlinear_wgmma_sm90.cu, the Hopper kernel). Not part of
+// the launcher's interface (qlinear_cuda.h). No XLA types.
+#pragma once
+
+#include <cuda_runtime_api.h>
+
+#include "matmul/qlinear_params.h"
+
+namespace jaxgpu::cuda::qlinear {
+
+// Rows of x from which kAuto sends a call the Hopper kernel serves to it (below them the
+// GEMV and staged kernels).
+constexpr int kWgmmaFromRows = 17;
+
+// Whether the Hopper (wgmma) kernel can serve p: a build with sm_90a code, a compute
+// capability 9.0 device, N a multiple of 16 and K of 8, a scale row per whole k tile
+// (group_size a multiple of 64, or K), and 16-byte aligned x, scales and zeros (the copy
+// engine's rule).
+bool WgmmaEligible(const QLinearParams& p);
+
+// y = act(x w + bias) by the Hopper kernel (WgmmaEligible(p) must hold), plus the split-K
+// reduction when K is split.
+cudaError_t LaunchWgmma(const QLinearParams& p, cudaStream_t stream, int device, int sms);
+
+// The split-K reduction: sums `splits` partial sums of p.workspace in split order into y,
+// adding the bias and applying the activation (qlinear_kernels.cu).
+cudaError_t LaunchSplitReduce(const QLinearParams& p, int splits, cudaStream_t stream, int device,
+                              int sms);
+
+}  // namespace jaxgpu::cuda::qlinear

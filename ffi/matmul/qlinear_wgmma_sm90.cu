@@ -1,0 +1,412 @@
+// The Hopper kernel of the weight-only quantized linear layer (sm_90a): y = act(x w + bias)
+// for M from 17 rows up, with the weight widened in registers and multiplied on the
+// warpgroup tensor cores (wgmma) as the A operand, x^T as the B operand from shared memory.
+//
+// Why. The mma.sync kernels (qlinear_kernels.cu) are built for decode's M <= 16, where the
+// weight's bytes are the time; from M = 64 their x fragments, loaded by every warp for every
+// product, and a re-widening per 64-row chunk made them slower than XLA's bf16 GEMM (0.5-0.8x
+// at M = 64, 0.2-0.3x at M = 256 on an H100), and the dense route (dequantize, then
+// cuBLASLt) costs the dequantizing copy on top of the GEMM (0.8x at M = 4096). Here the
+// widening of a weight tile is done once per block and feeds kBT tokens of products, and x
+// is read by wgmma straight from a swizzled shared-memory tile that the copy engine wrote.
+//
+// Mapping. A block of 3 warpgroups owns 128 features (8 n-tiles of the packed layout), kBT
+// tokens and one K split. Warpgroup 2 is the copy warpgroup: one thread issues, per k tile
+// (64 k), a TMA box of x (kBT rows x 64 k, 128-byte swizzle, rows past M and k past K
+// zero-filled), one bulk copy of the block's 8 packed tiles (4 or 8 KiB, contiguous in the
+// (KT, NT, words) layout) and, with group scales, one of the block's scale row and zero row,
+// all completing on the stage's mbarrier; a ring of kStages stages. Warpgroups 0 and 1
+// compute: warp w of warpgroup c owns n-tile 4c + w, whose lane fragments are exactly the
+// rows 16w..16w+15 of wgmma's m64 A operand (the packed layout's A fragment is mma.sync's,
+// and wgmma's register A has that layout per warp). Per k tile a lane reads its 16 (int4) or
+// 32 (int8) bytes from shared memory, widens them exactly (Dequant, qlinear_dequant.cuh) into
+// 4 k16 steps of A, and issues 4 m64 n kBT k16 MMAs. The widening of tile i + 1 runs while
+// the MMAs of tile i do (A registers double-buffered, wait_group 1), and the stage of tile
+// i - 1 is handed back once its MMAs are done.
+//
+// Output. Each warpgroup's accumulators (64 features x kBT tokens, float32) are finished in
+// place: y = round_T(act(acc + bias)) without a K split, else the partial sums go to the
+// float32 workspace and QLinearReduceKernel sums the splits in order (deterministic, as the
+// other kernels). Splits are used only where the blocks would not fill the GPU's SMs.
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_runtime.h>
+
+#include <atomic>
+#include <cstdint>
+
+#include "attention/sm90/tma.cuh"
+#include "attention/sm90/wgmma.cuh"
+#include "common/cuda_dispatch.cuh"
+#include "common/cuda_utils.cuh"
+#include "matmul/qlinear_dequant.cuh"
+#include "matmul/qlinear_internal.h"
+#include "matmul/qlinear_params.h"
+
+namespace jaxgpu::cuda::qlinear {
+
+namespace sm90 = attention::sm90;
+
+// Named (not anonymous) so that a build without sm_90a device code, whose kernel body is
+// empty, does not warn about unused helpers.
+namespace wgmma_kernel {
+
+// m64 nN k16 with A (the widened weight) from registers and B (x, tokens x k) K-major in
+// shared memory: wgmma's imm-trans-b = 0 (the attention kernels' RS form takes B MN-major).
+template <typename T, int N>
+struct WgmmaRsKMajor;
+
+#if JAXGPU_WGMMA_DEVICE
+#define JAXGPU_QWGMMA_RS(N, TYPE) \
+  JAXGPU_WGMMA_ASM(N, TYPE, RS, "0", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+#else
+#define JAXGPU_QWGMMA_RS(N, TYPE) (void)0
+#endif
+
+#define JAXGPU_QWGMMA_SPECIALIZE(T, TYPE, N)                                                 \
+  template <>                                                                                \
+  struct WgmmaRsKMajor<T, N> {                                                               \
+    __device__ __forceinline__ static void Run(float (&d)[N / 8][4], const uint32_t (&a)[4], \
+                                               uint64_t desc_b, bool accumulate) {           \
+      JAXGPU_QWGMMA_RS(N, TYPE);                                                             \
+    }                                                                                        \
+  };
+
+JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 32)
+JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 64)
+JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 128)
+JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 32)
+JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 64)
+JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 128)
+
+inline constexpr int kMathGroups = 2;
+inline constexpr int kThreads = 128 * (kMathGroups + 1);
+inline constexpr int kNTiles = 4 * kMathGroups;  // n-tiles a block: one a math warp
+inline constexpr int kFeat = kNTiles * kQTileN;  // 128 features a block
+// setmaxnreg budgets (the copy warpgroup gives its registers to the math warpgroups):
+// 128 x 24 + 256 x 240 = 64512 of the SM's 65536.
+inline constexpr int kCopyRegisters = 24;
+inline constexpr int kMathRegisters = 240;
+// Token chunks that walk the n-blocks together (block order), so that their x rows and the
+// weight columns in flight stay in L2 at large M.
+inline constexpr int kRasterM = 8;
+inline constexpr int kSmemBudget = 200 * 1024;
+inline constexpr int kMaxStages = 16;
+inline constexpr int kMinTilesPerSplit = 4;
+inline constexpr int kMaxSplits = 32;
+inline constexpr int kMaxDevices = 64;
+
+inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Whether `device` is a compute capability 9.0 GPU (read once per device).
+inline bool IsSm90(int device) {
+  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 yes, 2 no
+  const bool cached = device >= 0 && device < kMaxDevices;
+  int v = cached ? cache[device].load(std::memory_order_relaxed) : 0;
+  if (v == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    v = major == 9 && minor == 0 ? 1 : 2;
+    if (cached) cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v == 1;
+}
+
+template <int kBits, int kBT>
+struct WgConfig {
+  static constexpr int kTileBytes = QWordsPerTile(kBits) * 4;  // 512 (int4) or 1024 (int8)
+  static constexpr int kWeightBytes = kNTiles * kTileBytes;
+  static constexpr int kXBytes = kBT * 128;   // kBT tokens x 64 k, one 128-byte-swizzled block
+  static constexpr int kWeightOff = kXBytes;  // x first: 1024-byte aligned for the swizzle
+  static constexpr int kScaleOff = kWeightOff + kWeightBytes;
+  static constexpr int kZeroOff = kScaleOff + kFeat * 2;
+  static constexpr int kStageBytes = (kZeroOff + kFeat + 1023) / 1024 * 1024;
+  static constexpr int kStages =
+      kSmemBudget / kStageBytes < kMaxStages ? kSmemBudget / kStageBytes : kMaxStages;
+  static constexpr int kBarrierOff = kStages * kStageBytes;
+  static constexpr int kSmemBytes = kBarrierOff + 2 * kStages * 8 + 1024;  // + alignment
+  static_assert(kStages >= 2, "a ring");
+  static_assert(kSmemBytes <= sm90::kMaxSmemBytes, "fits the SM");
+};
+
+struct WgArgs {
+  QLinearParams p;
+  int kt, nt;   // k tiles, n tiles
+  int nblocks;  // n-blocks of kNTiles
+  int mchunks;  // token chunks of kBT
+  int splits;   // K splits (1: the kernel writes y)
+  int tiles_per_split;
+  int scale_rows;       // K / group_size
+  int tiles_per_group;  // group_size / 64 where scale_rows > 1
+};
+
+// One bulk copy (the copy engine, no tensor map) of `bytes` (a multiple of 16) from global
+// to shared memory, completing on `bar`.
+__device__ inline void BulkCopy(void* dst, const void* src, uint32_t bytes, uint64_t* bar) {
+#if JAXGPU_WGMMA_DEVICE
+  asm volatile(
+      "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::
+          "r"(static_cast<uint32_t>(__cvta_generic_to_shared(dst))),
+      "l"(src), "r"(bytes), "r"(static_cast<uint32_t>(__cvta_generic_to_shared(bar)))
+      : "memory");
+#endif
+}
+
+}  // namespace wgmma_kernel
+
+namespace {
+
+using namespace wgmma_kernel;  // NOLINT: this file's own helpers
+
+template <typename T, int kBits, int kBT>
+__global__ void __launch_bounds__(kThreads, 1)
+    QLinearWgmmaKernel(const WgArgs a, const __grid_constant__ CUtensorMap x_map) {
+#if JAXGPU_WGMMA_DEVICE
+  using C = WgConfig<kBits, kBT>;
+  using D = Dequant<T, kBits>;
+  constexpr int kS = C::kStages;
+  constexpr int kWPL = QWordsPerLane(kBits);
+  extern __shared__ __align__(1024) unsigned char smem_raw[];
+  unsigned char* smem = sm90::SwizzleAligned(smem_raw);
+  uint64_t* full = reinterpret_cast<uint64_t*>(smem + C::kBarrierOff);
+  uint64_t* empty = full + kS;
+  const QLinearParams& p = a.p;
+
+  // Block -> (group, split) outermost, then bands of kRasterM token chunks walking the
+  // n-blocks, token chunk fastest.
+  int64_t bid = blockIdx.x;
+  const int per_split = a.nblocks * a.mchunks;
+  const int t = int(bid % per_split);
+  bid /= per_split;
+  const int split = int(bid % a.splits);
+  const int64_t g = bid / a.splits;
+  const int band = t / (kRasterM * a.nblocks);
+  const int first_mc = band * kRasterM;
+  const int band_m = a.mchunks - first_mc < kRasterM ? a.mchunks - first_mc : kRasterM;
+  const int within = t - band * kRasterM * a.nblocks;
+  const int mc = first_mc + within % band_m;
+  const int nb = within / band_m;
+
+  const int64_t gw = p.weight_groups == 1 ? 0 : g;
+  const int kt0 = split * a.tiles_per_split;
+  const int tiles = (kt0 + a.tiles_per_split < a.kt ? kt0 + a.tiles_per_split : a.kt) - kt0;
+  const int nt0 = nb * kNTiles;
+  const int valid_tiles = a.nt - nt0 < kNTiles ? a.nt - nt0 : kNTiles;
+  const int64_t n0 = int64_t(nt0) * kQTileN;
+  const int m0 = mc * kBT;
+  const bool group_rows = a.scale_rows > 1;
+  const bool has_zeros = p.zeros != nullptr;
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < kS; ++s) {
+      sm90::MbarrierInit(&full[s], 1);
+      sm90::MbarrierInit(&empty[s], 4 * kMathGroups);  // one arrival a math warp
+    }
+    sm90::FenceBarrierInit();
+  }
+  __syncthreads();  // the last CTA-wide barrier: the roles split below
+
+  const int role = __shfl_sync(0xffffffffu, int(threadIdx.x >> 7), 0);
+  if (role == kMathGroups) {
+    sm90::ReleaseRegisters<kCopyRegisters>();
+    if (threadIdx.x != kMathGroups * 128) return;
+    const unsigned char* w_src = reinterpret_cast<const unsigned char*>(p.packed) +
+                                 ((gw * a.kt + kt0) * a.nt + nt0) * int64_t(C::kTileBytes);
+    const int64_t w_step = int64_t(a.nt) * C::kTileBytes;  // one k tile of all n-tiles
+    const uint32_t w_bytes = uint32_t(valid_tiles * C::kTileBytes);
+    const uint32_t s_bytes = group_rows ? uint32_t(valid_tiles * kQTileN * 2) : 0u;
+    const uint32_t z_bytes = group_rows && has_zeros ? uint32_t(valid_tiles * kQTileN) : 0u;
+    const uint16_t* s_src = static_cast<const uint16_t*>(p.scales) + gw * a.scale_rows * p.n + n0;
+    const uint8_t* z_src = has_zeros ? p.zeros + gw * a.scale_rows * p.n + n0 : nullptr;
+    for (int i = 0; i < tiles; ++i) {
+      const int s = i % kS;
+      if (i >= kS) sm90::MbarrierWait(&empty[s], ((i / kS) & 1) ^ 1);
+      unsigned char* stage = smem + s * C::kStageBytes;
+      sm90::MbarrierArriveExpectTx(&full[s], C::kXBytes + w_bytes + s_bytes + z_bytes);
+      sm90::TmaLoadBox(stage, &x_map, &full[s], (kt0 + i) * kQTileK, 0, m0, int(g));
+      BulkCopy(stage + C::kWeightOff, w_src + i * w_step, w_bytes, &full[s]);
+      if (group_rows) {
+        const int64_t row = (kt0 + i) / a.tiles_per_group;
+        BulkCopy(stage + C::kScaleOff, s_src + row * p.n, s_bytes, &full[s]);
+        if (has_zeros) BulkCopy(stage + C::kZeroOff, z_src + row * p.n, z_bytes, &full[s]);
+      }
+    }
+    return;
+  }
+  sm90::ClaimRegisters<kMathRegisters>();
+
+  const int warp = int(threadIdx.x >> 5) & 3, lane = int(threadIdx.x & 31);
+  const int local_tile = 4 * role + warp;
+  const bool warp_valid = local_tile < valid_tiles;
+  const int f = warp_valid ? local_tile * kQTileN + (lane >> 2) : 0;  // feature of h = 0
+  D dq;
+  if (!group_rows) {
+    dq.Load(static_cast<const uint16_t*>(p.scales) + gw * p.n + n0,
+            has_zeros ? p.zeros + gw * p.n + n0 : nullptr, f, has_zeros);
+  }
+
+  float acc[kBT / 8][4];
+#pragma unroll
+  for (int j = 0; j < kBT / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+  }
+  uint32_t frag[2][4][4];
+  auto tile_step = [&](int i, uint32_t (&af)[4][4]) {
+    const int s = i % kS;
+    sm90::MbarrierWait(&full[s], (i / kS) & 1);
+    const unsigned char* stage = smem + s * C::kStageBytes;
+    uint32_t w[kWPL];
+    if (warp_valid) {
+      const uint4* src =
+          reinterpret_cast<const uint4*>(stage + C::kWeightOff + local_tile * C::kTileBytes) +
+          lane * (kWPL / 4);
+#pragma unroll
+      for (int v = 0; v < kWPL / 4; ++v) {
+        const uint4 q = src[v];
+        w[4 * v] = q.x;
+        w[4 * v + 1] = q.y;
+        w[4 * v + 2] = q.z;
+        w[4 * v + 3] = q.w;
+      }
+    } else {
+#pragma unroll
+      for (int v = 0; v < kWPL; ++v) w[v] = 0u;
+    }
+    if (group_rows) {
+      dq.Load(reinterpret_cast<const uint16_t*>(stage + C::kScaleOff), stage + C::kZeroOff, f,
+              has_zeros);
+    }
+#pragma unroll
+    for (int k16 = 0; k16 < 4; ++k16) dq.Step(af[k16], w, k16);
+    sm90::Fence();
+    // x's tile: K-major, 128-byte swizzle; a k16 step is 32 bytes into the 128-byte rows.
+    const uint64_t desc = sm90::SwizzledDescriptor(stage, 16, 1024);
+#pragma unroll
+    for (int k16 = 0; k16 < 4; ++k16) {
+      WgmmaRsKMajor<T, kBT>::Run(acc, af[k16], desc + 2 * k16, true);
+    }
+    sm90::Commit();
+    sm90::Wait<1>();  // tile i - 1's MMAs are done: its stage and A registers are free
+    if (i > 0 && lane == 0) sm90::MbarrierArrive(&empty[(i - 1) % kS]);
+  };
+  int i = 0;
+  for (; i + 1 < tiles; i += 2) {
+    tile_step(i, frag[0]);
+    tile_step(i + 1, frag[1]);
+  }
+  if (i < tiles) tile_step(i, frag[0]);
+  sm90::Wait<0>();
+  sm90::KeepOrder(acc);
+  if (!warp_valid) return;
+
+  // acc[j][2 hh + e]: feature f + 8 hh, token 8 j + 2 (lane % 4) + e of the chunk (mma's C
+  // fragment layout, which wgmma's D has per warp).
+  const int64_t total = p.groups * p.m * p.n;
+  T* y = static_cast<T*>(p.y);
+#pragma unroll
+  for (int j = 0; j < kBT / 8; ++j) {
+#pragma unroll
+    for (int e = 0; e < 2; ++e) {
+      const int64_t m = m0 + 8 * j + 2 * (lane & 3) + e;
+      if (m >= p.m) continue;
+#pragma unroll
+      for (int hh = 0; hh < 2; ++hh) {
+        const int64_t n = n0 + f + 8 * hh;
+        const int64_t idx = (g * p.m + m) * p.n + n;
+        const float v = acc[j][2 * hh + e];
+        if (a.splits == 1) {
+          y[idx] = FromFloat<T>(Finish<T>(p, v, g, n));
+        } else {
+          p.workspace[split * total + idx] = v;
+        }
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int kBits, int kBT>
+cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device, int sms) {
+  using C = WgConfig<kBits, kBT>;
+  auto kernel = QLinearWgmmaKernel<T, kBits, kBT>;
+  static std::atomic<bool> opted[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
+    const cudaError_t err =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+    if (err != cudaSuccess) return err;
+    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
+  }
+  CUtensorMap x_map;
+  if (!sm90::EncodeRowsTensorMap(&x_map, p.x, 2, p.groups, p.m, 1, p.k, p.k, kBT)) {
+    return cudaErrorNotSupported;
+  }
+  WgArgs a{};
+  a.p = p;
+  a.kt = int(QTilesK(p.k));
+  a.nt = int(QTilesN(p.n));
+  a.nblocks = int(CeilDiv(a.nt, kNTiles));
+  a.mchunks = int(CeilDiv(p.m, kBT));
+  a.scale_rows = int(QScaleRows(p));
+  a.tiles_per_group = a.scale_rows > 1 ? int(p.group_size / kQTileK) : 1;
+
+  // K splits only where the blocks leave SMs idle: as many as fill one wave, at least
+  // kMinTilesPerSplit k tiles each, within the workspace.
+  const int64_t base = p.groups * a.nblocks * a.mchunks;
+  const int64_t out_elems = p.groups * p.m * p.n;
+  int64_t splits = base < sms ? sms / base : 1;
+  const int64_t by_tiles = a.kt / kMinTilesPerSplit;
+  const int64_t by_ws = p.workspace != nullptr ? p.workspace_floats / out_elems : 0;
+  if (splits > by_tiles) splits = by_tiles;
+  if (splits > by_ws) splits = by_ws;
+  if (splits > kMaxSplits) splits = kMaxSplits;
+  if (splits < 1) splits = 1;
+  a.tiles_per_split = int(CeilDiv(a.kt, splits));
+  a.splits = int(CeilDiv(a.kt, a.tiles_per_split));
+
+  const int64_t grid = base * a.splits;
+  if (grid > 0x7fffffff) return cudaErrorInvalidConfiguration;
+  kernel<<<unsigned(grid), kThreads, C::kSmemBytes, stream>>>(a, x_map);
+  const cudaError_t err = cudaGetLastError();
+  if (err != cudaSuccess || a.splits == 1) return err;
+  return LaunchSplitReduce(p, a.splits, stream, device, sms);
+}
+
+}  // namespace
+
+bool WgmmaEligible(const QLinearParams& p) {
+#ifdef JAXGPU_HAS_SM90A
+  if (p.n % kQTileN != 0 || p.k % 8 != 0) return false;
+  if (QScaleRows(p) > 1 && p.group_size % kQTileK != 0) return false;
+  if (!Aligned16(p.x) || !Aligned16(p.scales) || (p.zeros != nullptr && !Aligned16(p.zeros))) {
+    return false;
+  }
+  if (sm90::TensorMapEncoder() == nullptr) return false;
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return IsSm90(device);
+#else
+  (void)p;
+  return false;
+#endif
+}
+
+cudaError_t LaunchWgmma(const QLinearParams& p, cudaStream_t stream, int device, int sms) {
+  const int bt = p.m <= 32 ? 32 : p.m <= 64 ? 64 : 128;
+  return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
+    return JAXGPU_INT_SWITCH(bt, kBT, (32, 64, 128), [&] {
+      if (p.bits == 4) return LaunchTyped<T, 4, kBT>(p, stream, device, sms);
+      return LaunchTyped<T, 8, kBT>(p, stream, device, sms);
+    });
+  });
+}
+
+}  // namespace jaxgpu::cuda::qlinear
