@@ -152,7 +152,7 @@ def _quantized(bench: harness.Bench, kernel: str) -> None:
     s8 = q8.scales
     weight_bytes = {f"{kernel}-int4": q4.nbytes, f"{kernel}-int8": q8.nbytes,
                     ANCHOR: k * n * 2, "xla-int8": k * n + n * 2}
-    for m in QUICK_ROWS if bench.quick else ROWS:
+    for m in bench.args.rows or (QUICK_ROWS if bench.quick else ROWS):
       x = inputs.random_array(jax.random.fold_in(kx, m), (m, k), jnp.bfloat16)
       fns = {
           f"{kernel}-int4": jax.jit(lambda x, q=q4: jaxgpu.linear(x, q, implementation=kernel)),
@@ -208,6 +208,8 @@ def run(bench: harness.Bench) -> None:
 
 def _extend(p) -> None:
   p.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {list(PARTS)}")
+  p.add_argument("--rows", type=lambda s: tuple(int(v) for v in s.split(",")), default=None,
+                 help=f"the quantized part's M, comma-separated (default {ROWS})")
 
 
 if __name__ == "__main__":

@@ -18,8 +18,11 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import os
 import warnings
+
+import jax
 
 from jaxgpu import _ffi
 
@@ -114,3 +117,13 @@ def runs_on_cuda(implementation: str | None) -> bool:
   if implementation is not None:
     return implementation == "cuda"
   return _ffi.has_cuda_backend()
+
+
+@functools.cache
+def hopper_present() -> bool:
+  """Whether JAX sees a compute capability 9.0 GPU: where the sm_90a kernels (wgmma, TMA)
+  can run. The handlers still check the device they run on and fall back where they must."""
+  try:
+    return any(getattr(d, "compute_capability", None) == "9.0" for d in jax.devices("gpu"))
+  except RuntimeError:  # no GPU backend
+    return False

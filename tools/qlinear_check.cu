@@ -24,6 +24,7 @@
 // product), sums in float64, adds the bias and applies the activation in float64. An
 // output passes when |y - ref| <= ulp_T(|ref|) + 3e-5 sum_k |x w| (the rounding of y to T
 // plus float32 accumulation). Split-K cases are run twice and compared bitwise.
+// --wgmma --one: only int4 (with --m M: only those M), for Nsight Compute.
 // Speed: W = 8192 x 28672 and 28672 x 8192 (or --shape), M = 1 .. 256, cudaEvent median of
 // 30 launches alternating two weight buffers, and per call from a CUDA graph of launches on
 // distinct weights (at least 256 MiB in all: past the 50 MB L2).
@@ -436,6 +437,7 @@ int main(int argc, char** argv) {
   bool do_time = true, verbose = false, do_check = true, quick = false, one = false;
   bool gemv = false, wgmma = false;
   std::vector<std::pair<int64_t, int64_t>> shapes;  // the timed weights, K x N
+  std::vector<int64_t> rows;                        // --m: the timed M (--wgmma)
   for (int i = 1; i < argc; ++i) {
     if (std::string(argv[i]) == "--no-time") do_time = false;
     if (std::string(argv[i]) == "-v") verbose = true;
@@ -444,7 +446,11 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--one") one = true, do_check = false;
     if (std::string(argv[i]) == "--gemv") gemv = true;
     if (std::string(argv[i]) == "--wgmma") wgmma = true;
-    long long k = 0, n = 0;
+    long long k = 0, n = 0, m = 0;
+    if (std::string(argv[i]) == "--m" && i + 1 < argc && std::sscanf(argv[++i], "%lld", &m) == 1 &&
+        m > 0) {
+      rows.push_back(m);
+    }
     if (std::string(argv[i]) == "--shape" && i + 1 < argc &&
         std::sscanf(argv[++i], "%lldx%lld", &k, &n) == 2 && k > 0 && n > 0) {
       shapes.push_back({k, n});
@@ -611,7 +617,9 @@ int main(int argc, char** argv) {
     for (auto [K, N] : shapes) {
       for (const TC& tc : tcs) {
         if (tc.dt == DType::kF16 || (quick && tc.gs == 128 && tc.bits == 8)) continue;
-        for (int64_t M : {16, 64, 128, 256, 1024, 4096}) {
+        if (one && tc.bits != 4) continue;
+        if (rows.empty()) rows = {16, 64, 128, 256, 1024, 4096};
+        for (int64_t M : rows) {
           if (quick && (M == 128 || M == 1024)) continue;
           const bool staged = M <= 256;
           std::vector<jaxgpu::cuda::QLinearPath> paths = {jaxgpu::cuda::QLinearPath::kWgmma};

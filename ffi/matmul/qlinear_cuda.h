@@ -21,7 +21,7 @@ cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream);
 
 // Which kernel LaunchQLinearPath runs. kAuto: the GEMV kernel (weights straight into
 // registers) where QLinearGemvEligible(p) and it measured faster (int4 with a short last K
-// split takes the staged kernel); from 17 rows the Hopper kernel (wgmma, sm_90a) where it
+// split takes the staged kernel); from 9 rows the Hopper kernel (wgmma, sm_90a) where it
 // can serve p; else the staged kernel (cp.async ring through shared memory); in a
 // JAXGPU_DEV_KNOBS build JAXGPU_QLINEAR_GEMV=-1 takes the GEMV kernel out. kStaged: the
 // staged kernel; kGemv: the GEMV kernel wherever it is eligible; kWgmma: the Hopper kernel

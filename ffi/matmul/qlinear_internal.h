@@ -10,13 +10,14 @@
 namespace jaxgpu::cuda::qlinear {
 
 // Rows of x from which kAuto sends a call the Hopper kernel serves to it (below them the
-// GEMV and staged kernels).
-constexpr int kWgmmaFromRows = 17;
+// GEMV kernel). H100, M = 16, us: int4 8192 x 28672 73 against the staged kernel's 87; int8
+// 97-109 against the GEMV kernel's ~132 (docs/perf/matmul.md).
+constexpr int kWgmmaFromRows = 9;
 
 // Whether the Hopper (wgmma) kernel can serve p: a build with sm_90a code, a compute
 // capability 9.0 device, N a multiple of 16 and K of 8, a scale row per whole k tile
 // (group_size a multiple of 64, or K), and 16-byte aligned x, scales and zeros (the copy
-// engine's rule).
+// engine's rule), y and the workspace (16-byte stores).
 bool WgmmaEligible(const QLinearParams& p);
 
 // y = act(x w + bias) by the Hopper kernel (WgmmaEligible(p) must hold), plus the split-K

@@ -1235,17 +1235,19 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
   const int smem_per_sm =
       qlinear::DeviceAttribute(cudaDevAttrMaxSharedMemoryPerMultiprocessor, smem_cache, device);
   if (sms <= 0 || smem_per_sm <= 0) return cudaErrorInvalidDevice;
-  const bool gemv = p.k > 0 && (path == QLinearPath::kGemv
-                                    ? qlinear::GemvEligible(p)
-                                    : path == QLinearPath::kAuto &&
-                                          !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1) &&
-                                          qlinear::GemvPreferred(p));
-  if (p.k > 0 && !gemv &&
+  // The Hopper kernel first: from kWgmmaFromRows rows it beats the GEMV kernel (int8 up to
+  // 16 rows) and the staged one.
+  if (p.k > 0 &&
       (path == QLinearPath::kWgmma ||
        (path == QLinearPath::kAuto && p.m >= qlinear::kWgmmaFromRows)) &&
       qlinear::WgmmaEligible(p)) {
     return qlinear::LaunchWgmma(p, stream, device, sms);
   }
+  const bool gemv = p.k > 0 && (path == QLinearPath::kGemv
+                                    ? qlinear::GemvEligible(p)
+                                    : path == QLinearPath::kAuto &&
+                                          !(kDevKnobs && qlinear::GemvKnob().ints[0] == -1) &&
+                                          qlinear::GemvPreferred(p));
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
     if (p.k <= 0) {  // y = act(bias): no products
       qlinear::QLinearReduceKernel<T><<<qlinear::ReduceBlocks(p, sms), 256, 0, stream>>>(p, 0);

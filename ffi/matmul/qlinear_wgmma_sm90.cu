@@ -35,6 +35,8 @@
 
 #include <atomic>
 #include <cstdint>
+#include <type_traits>
+#include <utility>
 
 #include "attention/sm90/tma.cuh"
 #include "attention/sm90/wgmma.cuh"
@@ -80,10 +82,26 @@ JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 32)
 JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 64)
 JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 128)
 
+// Build-time knobs for tuning runs (tools/qlinear_check.cu): m64 row blocks a math
+// warpgroup owns up to 128-token chunks (256-token chunks take 1), and the token chunk
+// from 129 rows (128 or 256).
+#ifndef JAXGPU_QLINEAR_WG_NWT
+#define JAXGPU_QLINEAR_WG_NWT 2
+#endif
+#ifndef JAXGPU_QLINEAR_WG_BT
+#define JAXGPU_QLINEAR_WG_BT 256
+#endif
+// A fragment buffers (MMA groups in flight a warpgroup: this minus one waited for).
+// Diagnostic only (0 breaks the register ordering rule): a wgmma fence before every group.
+#ifndef JAXGPU_QLINEAR_WG_FENCE
+#define JAXGPU_QLINEAR_WG_FENCE 1
+#endif
+#ifndef JAXGPU_QLINEAR_WG_BUFS
+#define JAXGPU_QLINEAR_WG_BUFS 2
+#endif
+
 inline constexpr int kMathGroups = 2;
 inline constexpr int kThreads = 128 * (kMathGroups + 1);
-inline constexpr int kNTiles = 4 * kMathGroups;  // n-tiles a block: one a math warp
-inline constexpr int kFeat = kNTiles * kQTileN;  // 128 features a block
 // setmaxnreg budgets (the copy warpgroup gives its registers to the math warpgroups):
 // 128 x 24 + 256 x 240 = 64512 of the SM's 65536.
 inline constexpr int kCopyRegisters = 24;
@@ -96,6 +114,19 @@ inline constexpr int kMaxStages = 16;
 inline constexpr int kMinTilesPerSplit = 4;
 inline constexpr int kMaxSplits = 32;
 inline constexpr int kMaxDevices = 64;
+
+// Runs step(i0 + u, A buffer of u's first group) for u = U... below `count`: the buffers
+// rotate by kNWT groups a tile, so a compile-time unrolled run of tiles keeps every index
+// constant. The steps nest (&& stops at the first u past count): ptxas serializes the MMAs
+// of a function where a step may be skipped between two others (C7513).
+template <int kNWT, int kBufs, typename F, int... U>
+__device__ __forceinline__ void RunTiles(F&& step, int i0, int count,
+                                         std::integer_sequence<int, U...>) {
+  (void)((U < count && (step(i0 + U, std::integral_constant<int, (U * kNWT) % kBufs>{}), true)) &&
+         ...);
+}
+
+__host__ __device__ constexpr int Gcd(int a, int b) { return b == 0 ? a : Gcd(b, a % b); }
 
 inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -117,8 +148,11 @@ inline bool IsSm90(int device) {
   return v == 1;
 }
 
-template <int kBits, int kBT>
+// kNWT: m64 row blocks (64 features) a math warpgroup owns, so n-tiles a math warp.
+template <int kBits, int kBT, int kNWT>
 struct WgConfig {
+  static constexpr int kNTiles = 4 * kMathGroups * kNWT;       // n-tiles a block
+  static constexpr int kFeat = kNTiles * kQTileN;              // features a block
   static constexpr int kTileBytes = QWordsPerTile(kBits) * 4;  // 512 (int4) or 1024 (int8)
   static constexpr int kWeightBytes = kNTiles * kTileBytes;
   static constexpr int kXBytes = kBT * 128;   // kBT tokens x 64 k, one 128-byte-swizzled block
@@ -130,14 +164,16 @@ struct WgConfig {
       kSmemBudget / kStageBytes < kMaxStages ? kSmemBudget / kStageBytes : kMaxStages;
   static constexpr int kBarrierOff = kStages * kStageBytes;
   static constexpr int kSmemBytes = kBarrierOff + 2 * kStages * 8 + 1024;  // + alignment
+  static constexpr int kOutStride = kFeat + 4;  // floats: the output tile's rows (epilogue)
   static_assert(kStages >= 2, "a ring");
+  static_assert(kBT * kOutStride * 4 <= kBarrierOff, "the output tile fits the ring");
   static_assert(kSmemBytes <= sm90::kMaxSmemBytes, "fits the SM");
 };
 
 struct WgArgs {
   QLinearParams p;
   int kt, nt;   // k tiles, n tiles
-  int nblocks;  // n-blocks of kNTiles
+  int nblocks;  // n-blocks of WgConfig::kNTiles
   int mchunks;  // token chunks of kBT
   int splits;   // K splits (1: the kernel writes y)
   int tiles_per_split;
@@ -163,11 +199,12 @@ namespace {
 
 using namespace wgmma_kernel;  // NOLINT: this file's own helpers
 
-template <typename T, int kBits, int kBT>
+template <typename T, int kBits, int kBT, int kNWT>
 __global__ void __launch_bounds__(kThreads, 1)
     QLinearWgmmaKernel(const WgArgs a, const __grid_constant__ CUtensorMap x_map) {
 #if JAXGPU_WGMMA_DEVICE
-  using C = WgConfig<kBits, kBT>;
+  using C = WgConfig<kBits, kBT, kNWT>;
+  constexpr int kNTiles = C::kNTiles;
   using D = Dequant<T, kBits>;
   constexpr int kS = C::kStages;
   constexpr int kWPL = QWordsPerLane(kBits);
@@ -241,100 +278,167 @@ __global__ void __launch_bounds__(kThreads, 1)
   sm90::ClaimRegisters<kMathRegisters>();
 
   const int warp = int(threadIdx.x >> 5) & 3, lane = int(threadIdx.x & 31);
-  const int local_tile = 4 * role + warp;
-  const bool warp_valid = local_tile < valid_tiles;
-  const int f = warp_valid ? local_tile * kQTileN + (lane >> 2) : 0;  // feature of h = 0
-  D dq;
-  if (!group_rows) {
-    dq.Load(static_cast<const uint16_t*>(p.scales) + gw * p.n + n0,
-            has_zeros ? p.zeros + gw * p.n + n0 : nullptr, f, has_zeros);
+  // Row block b of this warpgroup: n-tiles 4 (kNWT role + b) .. + 3, warp w's the w-th.
+  int local_tile[kNWT], f[kNWT];
+  bool tile_valid[kNWT];
+  D dq[kNWT];
+#pragma unroll
+  for (int b = 0; b < kNWT; ++b) {
+    local_tile[b] = 4 * (kNWT * role + b) + warp;
+    tile_valid[b] = local_tile[b] < valid_tiles;
+    f[b] = local_tile[b] * kQTileN + (lane >> 2);  // block-local feature of h = 0
+    if (!group_rows) {  // a tile past N reads feature 0's constants (never written out)
+      dq[b].Load(static_cast<const uint16_t*>(p.scales) + gw * p.n + n0,
+                 has_zeros ? p.zeros + gw * p.n + n0 : nullptr, tile_valid[b] ? f[b] : 0,
+                 has_zeros);
+    }
   }
 
-  float acc[kBT / 8][4];
+  // kBT tokens as kTH MMA widths of kN (at most 128, the widest here) sharing each A.
+  constexpr int kN = kBT < 128 ? kBT : 128, kTH = kBT / kN;
+  float acc[kNWT][kTH][kN / 8][4];
 #pragma unroll
-  for (int j = 0; j < kBT / 8; ++j) {
+  for (int b = 0; b < kNWT; ++b) {
 #pragma unroll
-    for (int e = 0; e < 4; ++e) acc[j][e] = 0.f;
+    for (int h = 0; h < kTH; ++h) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) acc[b][h][j][e] = 0.f;
+      }
+    }
   }
-  uint32_t frag[2][4][4];
-  auto tile_step = [&](int i, uint32_t (&af)[4][4]) {
+  // The MMA groups run in order (tile i, row block b); each is committed, then all but the
+  // last kBufs - 1 waited for, so that the widening of the next groups runs under the MMAs
+  // of these. Consecutive groups rotate through kBufs A buffers, and with kNWT = 2 also
+  // alternate accumulators (no dependence between neighbours).
+  constexpr int kBufs = JAXGPU_QLINEAR_WG_BUFS;
+  uint32_t frag[kBufs][4][4];
+  // Tile i, its first group using A buffer kBuf0 (a compile-time constant).
+  auto tile_step = [&](int i, auto buf0) {
+    constexpr int kBuf0 = decltype(buf0)::value;
     const int s = i % kS;
     sm90::MbarrierWait(&full[s], (i / kS) & 1);
     const unsigned char* stage = smem + s * C::kStageBytes;
-    uint32_t w[kWPL];
-    if (warp_valid) {
-      const uint4* src =
-          reinterpret_cast<const uint4*>(stage + C::kWeightOff + local_tile * C::kTileBytes) +
-          lane * (kWPL / 4);
-#pragma unroll
-      for (int v = 0; v < kWPL / 4; ++v) {
-        const uint4 q = src[v];
-        w[4 * v] = q.x;
-        w[4 * v + 1] = q.y;
-        w[4 * v + 2] = q.z;
-        w[4 * v + 3] = q.w;
-      }
-    } else {
-#pragma unroll
-      for (int v = 0; v < kWPL; ++v) w[v] = 0u;
-    }
-    if (group_rows) {
-      dq.Load(reinterpret_cast<const uint16_t*>(stage + C::kScaleOff), stage + C::kZeroOff, f,
-              has_zeros);
-    }
-#pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) dq.Step(af[k16], w, k16);
-    sm90::Fence();
     // x's tile: K-major, 128-byte swizzle; a k16 step is 32 bytes into the 128-byte rows.
     const uint64_t desc = sm90::SwizzledDescriptor(stage, 16, 1024);
 #pragma unroll
-    for (int k16 = 0; k16 < 4; ++k16) {
-      WgmmaRsKMajor<T, kBT>::Run(acc, af[k16], desc + 2 * k16, true);
-    }
-    sm90::Commit();
-    sm90::Wait<1>();  // tile i - 1's MMAs are done: its stage and A registers are free
-    if (i > 0 && lane == 0) sm90::MbarrierArrive(&empty[(i - 1) % kS]);
-  };
-  int i = 0;
-  for (; i + 1 < tiles; i += 2) {
-    tile_step(i, frag[0]);
-    tile_step(i + 1, frag[1]);
-  }
-  if (i < tiles) tile_step(i, frag[0]);
-  sm90::Wait<0>();
-  sm90::KeepOrder(acc);
-  if (!warp_valid) return;
-
-  // acc[j][2 hh + e]: feature f + 8 hh, token 8 j + 2 (lane % 4) + e of the chunk (mma's C
-  // fragment layout, which wgmma's D has per warp).
-  const int64_t total = p.groups * p.m * p.n;
-  T* y = static_cast<T*>(p.y);
+    for (int b = 0; b < kNWT; ++b) {
+      uint32_t (&af)[4][4] = frag[(kBuf0 + b) % kBufs];
+      uint32_t w[kWPL];
+      if (tile_valid[b]) {
+        const uint4* src =
+            reinterpret_cast<const uint4*>(stage + C::kWeightOff + local_tile[b] * C::kTileBytes) +
+            lane * (kWPL / 4);
 #pragma unroll
-  for (int j = 0; j < kBT / 8; ++j) {
+        for (int v = 0; v < kWPL / 4; ++v) {
+          const uint4 q = src[v];
+          w[4 * v] = q.x;
+          w[4 * v + 1] = q.y;
+          w[4 * v + 2] = q.z;
+          w[4 * v + 3] = q.w;
+        }
+      } else {
 #pragma unroll
-    for (int e = 0; e < 2; ++e) {
-      const int64_t m = m0 + 8 * j + 2 * (lane & 3) + e;
-      if (m >= p.m) continue;
+        for (int v = 0; v < kWPL; ++v) w[v] = 0u;
+      }
+      if (group_rows) {
+        dq[b].Load(reinterpret_cast<const uint16_t*>(stage + C::kScaleOff), stage + C::kZeroOff,
+                   f[b], has_zeros);
+      }
 #pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int64_t n = n0 + f + 8 * hh;
-        const int64_t idx = (g * p.m + m) * p.n + n;
-        const float v = acc[j][2 * hh + e];
-        if (a.splits == 1) {
-          y[idx] = FromFloat<T>(Finish<T>(p, v, g, n));
-        } else {
-          p.workspace[split * total + idx] = v;
+      for (int k16 = 0; k16 < 4; ++k16) dq[b].Step(af[k16], w, k16);
+      if (JAXGPU_QLINEAR_WG_FENCE || (i == 0 && b == 0)) sm90::Fence();
+#pragma unroll
+      for (int k16 = 0; k16 < 4; ++k16) {
+#pragma unroll
+        for (int h = 0; h < kTH; ++h) {  // rows kN h.. of x's tile: kN x 128 bytes further
+          WgmmaRsKMajor<T, kN>::Run(acc[b][h], af[k16], desc + 2 * k16 + h * kN * 128 / 16, true);
         }
       }
+      sm90::Commit();
+      sm90::Wait<kBufs - 1>();  // groups up to this one - kBufs + 1 are done
+      // Groups 0 .. done - 1 are complete; where they end a tile, its stage is free.
+      const int done = i * kNWT + b - kBufs + 2;
+      if (done > 0 && done % kNWT == 0 && lane == 0) {
+        sm90::MbarrierArrive(&empty[(done / kNWT - 1) % kS]);
+      }
+    }
+  };
+  constexpr int kUnroll = kBufs / Gcd(kBufs, kNWT);  // tiles a buffer rotation takes
+  int i = 0;
+  for (; i + kUnroll <= tiles; i += kUnroll) {
+    RunTiles<kNWT, kBufs>(tile_step, i, kUnroll, std::make_integer_sequence<int, kUnroll>{});
+  }
+  RunTiles<kNWT, kBufs>(tile_step, i, tiles - i, std::make_integer_sequence<int, kUnroll - 1>{});
+  sm90::Wait<0>();
+#pragma unroll
+  for (int b = 0; b < kNWT; ++b) {
+#pragma unroll
+    for (int h = 0; h < kTH; ++h) sm90::KeepOrder(acc[b][h]);
+  }
+
+  // The output tile goes through shared memory (the ring is free once both warpgroups'
+  // MMAs are done), so that it leaves as 16-byte rows of 8 features: a fully unrolled store
+  // of each accumulator (2-byte stores, the activation inlined for every one of them) made
+  // the kernel's code ~280 KB and its instruction fetch the largest stall.
+  float* out = reinterpret_cast<float*>(smem);  // [kBT][C::kOutStride]
+  sm90::NamedBarrierSync(1, kMathGroups * 128);
+  // acc[b][h][j][2 hh + e]: feature f[b] + 8 hh, token kN h + 8 j + 2 (lane % 4) + e of the
+  // chunk (mma's C fragment layout, which wgmma's D has per warp). Row stride kFeat + 4:
+  // the lanes' stores fall in 32 distinct banks.
+#pragma unroll
+  for (int b = 0; b < kNWT; ++b) {
+#pragma unroll
+    for (int h = 0; h < kTH; ++h) {
+#pragma unroll
+      for (int j = 0; j < kN / 8; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          const int token = kN * h + 8 * j + 2 * (lane & 3) + (e & 1);
+          out[token * C::kOutStride + f[b] + 8 * (e >> 1)] = acc[b][h][j][e];
+        }
+      }
+    }
+  }
+  sm90::NamedBarrierSync(1, kMathGroups * 128);
+  const int64_t total = p.groups * p.m * p.n;
+  constexpr int kChunks = C::kFeat / 8;  // 8-feature chunks a token row
+  const int mvalid = p.m - m0 < kBT ? int(p.m - m0) : kBT;
+  const int fvalid = valid_tiles * kQTileN / 8;
+#pragma unroll 1
+  for (int c = int(threadIdx.x); c < mvalid * kChunks; c += kMathGroups * 128) {
+    const int token = c / kChunks, chunk = c % kChunks;
+    if (chunk >= fvalid) continue;
+    const float4* src = reinterpret_cast<const float4*>(out + token * C::kOutStride + 8 * chunk);
+    const float4 lo = src[0], hi = src[1];
+    float v[8] = {lo.x, lo.y, lo.z, lo.w, hi.x, hi.y, hi.z, hi.w};
+    const int64_t n = n0 + 8 * chunk;
+    const int64_t idx = (g * p.m + m0 + token) * p.n + n;
+    if (a.splits == 1) {
+      uint32_t packed[4];
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const T lo16 = FromFloat<T>(Finish<T>(p, v[2 * e], g, n + 2 * e));
+        const T hi16 = FromFloat<T>(Finish<T>(p, v[2 * e + 1], g, n + 2 * e + 1));
+        packed[e] = uint32_t(reinterpret_cast<const uint16_t&>(lo16)) |
+                    uint32_t(reinterpret_cast<const uint16_t&>(hi16)) << 16;
+      }
+      *reinterpret_cast<uint4*>(static_cast<T*>(p.y) + idx) =
+          make_uint4(packed[0], packed[1], packed[2], packed[3]);
+    } else {
+      float4* dst = reinterpret_cast<float4*>(p.workspace + split * total + idx);
+      dst[0] = lo;
+      dst[1] = hi;
     }
   }
 #endif
 }
 
-template <typename T, int kBits, int kBT>
+template <typename T, int kBits, int kBT, int kNWT>
 cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device, int sms) {
-  using C = WgConfig<kBits, kBT>;
-  auto kernel = QLinearWgmmaKernel<T, kBits, kBT>;
+  using C = WgConfig<kBits, kBT, kNWT>;
+  auto kernel = QLinearWgmmaKernel<T, kBits, kBT, kNWT>;
   static std::atomic<bool> opted[kMaxDevices];
   if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
     const cudaError_t err =
@@ -350,7 +454,7 @@ cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device,
   a.p = p;
   a.kt = int(QTilesK(p.k));
   a.nt = int(QTilesN(p.n));
-  a.nblocks = int(CeilDiv(a.nt, kNTiles));
+  a.nblocks = int(CeilDiv(a.nt, C::kNTiles));
   a.mchunks = int(CeilDiv(p.m, kBT));
   a.scale_rows = int(QScaleRows(p));
   a.tiles_per_group = a.scale_rows > 1 ? int(p.group_size / kQTileK) : 1;
@@ -383,7 +487,8 @@ bool WgmmaEligible(const QLinearParams& p) {
 #ifdef JAXGPU_HAS_SM90A
   if (p.n % kQTileN != 0 || p.k % 8 != 0) return false;
   if (QScaleRows(p) > 1 && p.group_size % kQTileK != 0) return false;
-  if (!Aligned16(p.x) || !Aligned16(p.scales) || (p.zeros != nullptr && !Aligned16(p.zeros))) {
+  if (!Aligned16(p.x) || !Aligned16(p.scales) || (p.zeros != nullptr && !Aligned16(p.zeros)) ||
+      !Aligned16(p.y) || (p.workspace != nullptr && !Aligned16(p.workspace))) {
     return false;
   }
   if (sm90::TensorMapEncoder() == nullptr) return false;
@@ -400,11 +505,12 @@ bool WgmmaEligible(const QLinearParams& p) {
 }
 
 cudaError_t LaunchWgmma(const QLinearParams& p, cudaStream_t stream, int device, int sms) {
-  const int bt = p.m <= 32 ? 32 : p.m <= 64 ? 64 : 128;
+  const int bt = p.m <= 32 ? 32 : p.m <= 64 ? 64 : p.m <= 128 ? 128 : JAXGPU_QLINEAR_WG_BT;
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes, [&] {
-    return JAXGPU_INT_SWITCH(bt, kBT, (32, 64, 128), [&] {
-      if (p.bits == 4) return LaunchTyped<T, 4, kBT>(p, stream, device, sms);
-      return LaunchTyped<T, 8, kBT>(p, stream, device, sms);
+    return JAXGPU_INT_SWITCH(bt, kBT, (32, 64, 128, 256), [&] {
+      constexpr int kNWT = kBT == 256 ? 1 : JAXGPU_QLINEAR_WG_NWT;
+      if (p.bits == 4) return LaunchTyped<T, 4, kBT, kNWT>(p, stream, device, sms);
+      return LaunchTyped<T, 8, kBT, kNWT>(p, stream, device, sms);
     });
   });
 }

@@ -18,12 +18,13 @@ multiplied in full float32 (cuBLASLt's 32F compute, not TF32).
 
 Quantized. ``linear(x, qw)`` with a `QuantizedWeight` (`quantize_weight`, or
 `QuantizedWeight.from_int` for weights quantized elsewhere) runs jaxgpu's weight-only
-kernel for up to `DENSE_FROM_ROWS - 1` rows of x: the packed weight is read from memory
-once, widened and scaled in registers, and multiplied on tensor cores. From
-`DENSE_FROM_ROWS` rows the product is compute-bound and the weight is dequantized (a copy
-kernel, jaxgpu_qlinear_dequant) for the dense cuBLASLt path. Gradients flow to x and bias,
-never to the frozen quantized weight (QLoRA-style fine-tuning). A float32 x on CUDA takes
-the dense path.
+kernels: the packed weight is read from memory once, widened and scaled in registers, and
+multiplied on tensor cores. On a Hopper GPU (compute capability 9.0) they serve every M:
+from 9 rows a wgmma kernel whose blocks share each widened weight tile among up to 256
+tokens (`_wgmma_serves`). Elsewhere (and for shapes that kernel does not take), from
+`DENSE_FROM_ROWS` rows the weight is dequantized (a copy kernel, jaxgpu_qlinear_dequant)
+for the dense cuBLASLt path. Gradients flow to x and bias, never to the frozen quantized
+weight (QLoRA-style fine-tuning). A float32 x on CUDA takes the dense path.
 
 Transforms. jit, grad, vmap (over x, over the weight: batched GEMMs), shard_map, pmap. Under
 jit with sharded inputs: rows of x shard with no collective; a weight sharded along N
@@ -73,12 +74,14 @@ _Q_ACTIVATION = {None: 0, "relu": 1, "gelu": 2, "gelu_exact": 3, "silu": 4}
 _CUBLASLT_WORKSPACE = 32 << 20
 # Split-K partial sums of the quantized kernel: at most 2^22 floats (16 MiB).
 _Q_WORKSPACE_FLOATS = 1 << 22
-# Rows of x from which a quantized linear dequantizes the weight and runs the dense GEMM.
-# Measured on the H100 (8192 x 28672, tools/qlinear_crossover.py, docs/perf/matmul.md): the
-# kernel takes 238 / 496 / 761 us at M = 64 / 128 / 192 (int4; it grows about linearly past
-# 64: mma.sync and a re-dequantization per 64-row chunk), the dequantize + cuBLASLt route
-# 688 / 693 / 705 us (the dequantizing copy is ~520 us of it); int8 alike (634 against 720
-# at 128, 998 against 737 at 192): they cross between 128 and 192.
+# Rows of x from which a quantized linear dequantizes the weight and runs the dense GEMM
+# where the Hopper kernel does not serve. Measured on the H100 (8192 x 28672,
+# tools/qlinear_crossover.py, docs/perf/matmul.md): the mma.sync kernel takes 238 / 496 /
+# 761 us at M = 64 / 128 / 192 (int4; it grows about linearly past 64: a re-dequantization
+# per 64-row chunk), the dequantize + cuBLASLt route 688 / 693 / 705 us (the dequantizing
+# copy is ~520 us of it); int8 alike (634 against 720 at 128, 998 against 737 at 192): they
+# cross between 128 and 192. The Hopper kernel beats the dense route at every M measured
+# (int4 8192 x 28672: 198 us at M = 256, 2.86 ms at M = 4096, against ~0.8 and ~3.2 ms).
 DENSE_FROM_ROWS = 192
 
 _X = "g ... k"       # (G, ...rows, K)
@@ -460,11 +463,21 @@ def _explicit_out_spec(x, w):
   return PartitionSpec(*entries) if len(used) == len(set(used)) else None
 
 
+def _wgmma_serves(cfg: _Config, qw: QuantizedWeight) -> bool:
+  """Whether the quantized kernel's Hopper path (ffi/matmul/qlinear_wgmma_sm90.cu) takes
+  this weight on this machine: CUDA on a compute capability 9.0 GPU, N a multiple of 16, K
+  of 8, one scale row per 64-k tile (group_size a multiple of 64, or K). Its handler falls
+  back to the mma.sync kernel where a buffer is misaligned or the build lacks sm_90a."""
+  k, n, gs = qw.in_features, qw.out_features, qw.group_size
+  return (cfg.on_cuda and _implementation.hopper_present() and n % 16 == 0 and k % 8 == 0
+          and (gs == k or gs % 64 == 0))
+
+
 def _quantized(x, qw: QuantizedWeight, bias, activation, impl, rows: int, n: int):
   cfg = _Config(impl, activation, bias is not None, primal_types(x, None, bias),
                 (qw.bits, qw.group_size, qw.in_features, qw.out_features))
-  dense = (impl == "xla" or 0 in (rows, n) or rows >= DENSE_FROM_ROWS
-           or (x.dtype == jnp.float32 and cfg.on_cuda))
+  dense = (impl == "xla" or 0 in (rows, n) or (x.dtype == jnp.float32 and cfg.on_cuda)
+           or (rows >= DENSE_FROM_ROWS and not _wgmma_serves(cfg, qw)))
   if dense:
     if any(in_explicit_mode(a) for a in (qw.packed, qw.scales)):
       # The unpacking reshapes need the packed tiles whole on an Explicit mesh.
