@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 import jaxgpu
+from jaxgpu import _implementation
 from jaxgpu.ops import matmul as matmul_op
 from jaxgpu.reference import matmul as reference
 
@@ -146,10 +147,12 @@ def test_quantized_gradients_skip_the_weight(rng):
 
 def test_quantized_lowers_to_its_kernel_below_the_crossover(rng):
   """Few rows: one qlinear call and no dequantized weight; many rows: the dequantizing copy
-kernel, then the dense GEMM."""
+kernel, then the dense GEMM, except on a Hopper GPU, whose wgmma kernel serves every M."""
   qw = jaxgpu.quantize_weight(jnp.asarray(rng.standard_normal((128, 32)), jnp.bfloat16))
+  hopper = _implementation.runs_on_cuda(None) and _implementation.hopper_present()
+  many = {"jaxgpu_qlinear_fwd"} if hopper else {"jaxgpu_qlinear_dequant", "jaxgpu_linear_fwd"}
   for rows, want in ((matmul_op.DENSE_FROM_ROWS - 1, {"jaxgpu_qlinear_fwd"}),
-                     (matmul_op.DENSE_FROM_ROWS, {"jaxgpu_qlinear_dequant", "jaxgpu_linear_fwd"})):
+                     (matmul_op.DENSE_FROM_ROWS, many)):
     x = jnp.ones((rows, 128), jnp.bfloat16)
     targets = C.custom_call_targets(jax.jit(lambda x: jaxgpu.linear(x, qw)).lower(x))
     assert {t for t in targets if t.startswith("jaxgpu_")} == want, (rows, targets)

@@ -27,16 +27,19 @@ from jaxgpu.ops import matmul as matmul_op  # noqa: E402
 
 
 def _jit_with_route(fn, dense_from_rows: int):
-  """A jitted fn traced with DENSE_FROM_ROWS set (the route is chosen at trace time)."""
+  """A jitted fn traced with DENSE_FROM_ROWS set (the route is chosen at trace time); 0
+  forces the dense route on a Hopper GPU too (whose wgmma kernel otherwise serves every M)."""
   jitted = jax.jit(fn)
 
   def call(*args):
-    saved = matmul_op.DENSE_FROM_ROWS
+    saved = matmul_op.DENSE_FROM_ROWS, matmul_op._wgmma_serves
     matmul_op.DENSE_FROM_ROWS = dense_from_rows
+    if dense_from_rows == 0:
+      matmul_op._wgmma_serves = lambda cfg, qw: False
     try:
       return jitted(*args)
     finally:
-      matmul_op.DENSE_FROM_ROWS = saved
+      matmul_op.DENSE_FROM_ROWS, matmul_op._wgmma_serves = saved
   return call
 
 

@@ -49,6 +49,9 @@
 // byte (e.g. TMA bulk copies for the weights instead of per-thread cp.async, a cheaper
 // int4 widening), not deeper pipelines.
 //
+// On a Hopper GPU, from 9 rows, the wgmma kernel of qlinear_wgmma_sm90.cu serves instead
+// (LaunchQLinearPath); these kernels serve the rest and every call on other GPUs.
+//
 // A second kernel serves M <= 8 (int8: M <= 16), QLinearGemvKernel (the GEMV path, below;
 // the default where GemvEligible): it takes the weights straight from global memory into
 // registers and splits K over the warps, so that x stays in registers: 77 SASS instructions
