@@ -507,74 +507,59 @@ int main(int argc, char** argv) {
           }
         }
       }
+      // A grid of single-group cases, the group size gs_of(K) of each.
+      auto grid = [&](std::initializer_list<int64_t> ms, std::initializer_list<int64_t> ks,
+                      std::initializer_list<int64_t> ns, auto gs_of) {
+        for (int64_t M : ms) {
+          for (int64_t K : ks) {
+            for (int64_t N : ns) {
+              Case c{dt,
+                     bits,
+                     1,
+                     1,
+                     int64_t(idx % 3 == 1 ? 0 : 1),
+                     M,
+                     K,
+                     N,
+                     gs_of(K),
+                     (idx / 2) % 2 == 0,
+                     acts[idx % 5],
+                     idx % 3};
+              RunCase(c, rng, tot, verbose);
+              ++idx;
+            }
+          }
+        }
+      };
+      // Three groups (shared or per-group weights) under each workspace mode.
+      auto batched = [&](int64_t M, int64_t K, int64_t N) {
+        for (int64_t Gw : {1, 3}) {
+          for (int ws_mode : {0, 1, 2}) {
+            Case c{dt, bits, 3, Gw, 3, M, K, N, 64, (idx % 2) == 0, acts[idx % 5], ws_mode};
+            RunCase(c, rng, tot, verbose);
+            ++idx;
+          }
+        }
+      };
       // The GEMV kernel's shapes: M <= 16 (one or two token tiles; int4 runs the staged
       // kernel past 8), group_size a multiple of 64 or K; K from one tile to several rounds
       // per block (ws_mode 1: no workspace, so no split), N across block edges, shared or
       // per-group weights.
-      for (int64_t M : {1, 2, 5, 8, 9, 13, 16}) {
-        if (!gemv) break;
-        for (int64_t K : {64, 192, 640, 4096}) {
-          for (int64_t N : {1, 17, 200, 3000}) {
-            const int64_t gs =
-                (idx % 3 == 0 || K % 128 != 0) ? (K % 64 == 0 && idx % 2 ? 64 : K) : 128;
-            Case c{dt,
-                   bits,
-                   1,
-                   1,
-                   int64_t(idx % 3 == 1 ? 0 : 1),
-                   M,
-                   K,
-                   N,
-                   gs,
-                   (idx / 2) % 2 == 0,
-                   acts[idx % 5],
-                   idx % 3};
-            RunCase(c, rng, tot, verbose);
-            ++idx;
-          }
-        }
+      if (gemv) {
+        grid({1, 2, 5, 8, 9, 13, 16}, {64, 192, 640, 4096}, {1, 17, 200, 3000}, [&](int64_t K) {
+          return (idx % 3 == 0 || K % 128 != 0) ? (K % 64 == 0 && idx % 2 ? 64 : K) : 128;
+        });
+        batched(7, 8192 + 64, 530);
       }
-      for (int64_t Gw : {1, 3}) {
-        if (!gemv) break;
-        for (int ws_mode : {0, 1, 2}) {
-          Case c{dt, bits, 3, Gw, 3, 7, 8192 + 64, 530, 64, (idx % 2) == 0, acts[idx % 5], ws_mode};
-          RunCase(c, rng, tot, verbose);
-          ++idx;
-        }
-      }
-      // The Hopper kernel's shapes: token chunks of 32, 64 and 128 and their edges, N across
-      // 128-feature blocks (16 and 144: a partial block), K from one tile to many (ws_mode
-      // 1: no split), group sizes 64, 128 and K, shared and per-group weights.
-      for (int64_t M : {17, 32, 33, 64, 65, 128, 129, 300}) {
-        if (!wgmma) break;
-        for (int64_t K : {64, 200, 640, 4096}) {
-          for (int64_t N : {16, 144, 1024}) {
-            const int64_t gs = K % 128 == 0 && idx % 3 != 0 ? 128 : K % 64 == 0 && idx % 2 ? 64 : K;
-            Case c{dt,
-                   bits,
-                   1,
-                   1,
-                   int64_t(idx % 3 == 1 ? 0 : 1),
-                   M,
-                   K,
-                   N,
-                   gs,
-                   (idx / 2) % 2 == 0,
-                   acts[idx % 5],
-                   idx % 3};
-            RunCase(c, rng, tot, verbose);
-            ++idx;
-          }
-        }
-      }
-      for (int64_t Gw : {1, 3}) {
-        if (!wgmma) break;
-        for (int ws_mode : {0, 1, 2}) {
-          Case c{dt,     bits, 3, Gw, 3, 40, 2048 + 64, 272, 64, (idx % 2) == 0, acts[idx % 5],
-                 ws_mode};
-          RunCase(c, rng, tot, verbose);
-          ++idx;
-        }
+      // The Hopper kernel's shapes: token chunks of 32, 64, 128 and 256 and their edges, N
+      // across 128- and 256-feature blocks (16 and 144: a partial block), K from one tile to
+      // many (ws_mode 1: no split), group sizes 64, 128 and K, shared and per-group weights.
+      if (wgmma) {
+        grid({17, 32, 33, 64, 65, 128, 129, 300}, {64, 200, 640, 4096}, {16, 144, 1024},
+             [&](int64_t K) {
+               return K % 128 == 0 && idx % 3 != 0 ? 128 : K % 64 == 0 && idx % 2 ? 64 : K;
+             });
+        batched(40, 2048 + 64, 272);
       }
       for (int ws_mode : {0, 1, 2}) {
         Case c{dt, bits, 2, 2, 2, 4, 8192, 48, 64, true, QActivation::kSilu, ws_mode};

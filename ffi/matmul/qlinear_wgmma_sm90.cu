@@ -54,34 +54,6 @@ namespace sm90 = attention::sm90;
 // empty, does not warn about unused helpers.
 namespace wgmma_kernel {
 
-// m64 nN k16 with A (the widened weight) from registers and B (x, tokens x k) K-major in
-// shared memory: wgmma's imm-trans-b = 0 (the attention kernels' RS form takes B MN-major).
-template <typename T, int N>
-struct WgmmaRsKMajor;
-
-#if JAXGPU_WGMMA_DEVICE
-#define JAXGPU_QWGMMA_RS(N, TYPE) \
-  JAXGPU_WGMMA_ASM(N, TYPE, RS, "0", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
-#else
-#define JAXGPU_QWGMMA_RS(N, TYPE) (void)0
-#endif
-
-#define JAXGPU_QWGMMA_SPECIALIZE(T, TYPE, N)                                                 \
-  template <>                                                                                \
-  struct WgmmaRsKMajor<T, N> {                                                               \
-    __device__ __forceinline__ static void Run(float (&d)[N / 8][4], const uint32_t (&a)[4], \
-                                               uint64_t desc_b, bool accumulate) {           \
-      JAXGPU_QWGMMA_RS(N, TYPE);                                                             \
-    }                                                                                        \
-  };
-
-JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 32)
-JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 64)
-JAXGPU_QWGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 128)
-JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 32)
-JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 64)
-JAXGPU_QWGMMA_SPECIALIZE(__half, "f16", 128)
-
 // Build-time knobs for tuning runs (tools/qlinear_check.cu): m64 row blocks a math
 // warpgroup owns up to 128-token chunks (256-token chunks take 1), and the token chunk
 // from 129 rows (128 or 256).
@@ -127,6 +99,22 @@ __device__ __forceinline__ void RunTiles(F&& step, int i0, int count,
 }
 
 __host__ __device__ constexpr int Gcd(int a, int b) { return b == 0 ? a : Gcd(b, a % b); }
+
+// fn(acc[b][h][j][e], b, h, j, e) over every accumulator, unrolled.
+template <int kNWT, int kTH, int kJ, typename F>
+__device__ __forceinline__ void ForEachAccumulator(float (&acc)[kNWT][kTH][kJ][4], F&& fn) {
+#pragma unroll
+  for (int b = 0; b < kNWT; ++b) {
+#pragma unroll
+    for (int h = 0; h < kTH; ++h) {
+#pragma unroll
+      for (int j = 0; j < kJ; ++j) {
+#pragma unroll
+        for (int e = 0; e < 4; ++e) fn(acc[b][h][j][e], b, h, j, e);
+      }
+    }
+  }
+}
 
 inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
@@ -297,17 +285,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   // kBT tokens as kTH MMA widths of kN (at most 128, the widest here) sharing each A.
   constexpr int kN = kBT < 128 ? kBT : 128, kTH = kBT / kN;
   float acc[kNWT][kTH][kN / 8][4];
-#pragma unroll
-  for (int b = 0; b < kNWT; ++b) {
-#pragma unroll
-    for (int h = 0; h < kTH; ++h) {
-#pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) acc[b][h][j][e] = 0.f;
-      }
-    }
-  }
+  ForEachAccumulator(acc, [](float& v, int, int, int, int) { v = 0.f; });
   // The MMA groups run in order (tile i, row block b); each is committed, then all but the
   // last kBufs - 1 waited for, so that the widening of the next groups runs under the MMAs
   // of these. Consecutive groups rotate through kBufs A buffers, and with kNWT = 2 also
@@ -353,7 +331,8 @@ __global__ void __launch_bounds__(kThreads, 1)
       for (int k16 = 0; k16 < 4; ++k16) {
 #pragma unroll
         for (int h = 0; h < kTH; ++h) {  // rows kN h.. of x's tile: kN x 128 bytes further
-          WgmmaRsKMajor<T, kN>::Run(acc[b][h], af[k16], desc + 2 * k16 + h * kN * 128 / 16, true);
+          sm90::Wgmma<T, kN>::RSKMajor(acc[b][h], af[k16], desc + 2 * k16 + h * kN * 128 / 16,
+                                       true);
         }
       }
       sm90::Commit();
@@ -387,20 +366,10 @@ __global__ void __launch_bounds__(kThreads, 1)
   // acc[b][h][j][2 hh + e]: feature f[b] + 8 hh, token kN h + 8 j + 2 (lane % 4) + e of the
   // chunk (mma's C fragment layout, which wgmma's D has per warp). Row stride kFeat + 4:
   // the lanes' stores fall in 32 distinct banks.
-#pragma unroll
-  for (int b = 0; b < kNWT; ++b) {
-#pragma unroll
-    for (int h = 0; h < kTH; ++h) {
-#pragma unroll
-      for (int j = 0; j < kN / 8; ++j) {
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          const int token = kN * h + 8 * j + 2 * (lane & 3) + (e & 1);
-          out[token * C::kOutStride + f[b] + 8 * (e >> 1)] = acc[b][h][j][e];
-        }
-      }
-    }
-  }
+  ForEachAccumulator(acc, [&](float v, int b, int h, int j, int e) {
+    const int token = kN * h + 8 * j + 2 * (lane & 3) + (e & 1);
+    out[token * C::kOutStride + f[b] + 8 * (e >> 1)] = v;
+  });
   sm90::NamedBarrierSync(1, kMathGroups * 128);
   const int64_t total = p.groups * p.m * p.n;
   constexpr int kChunks = C::kFeat / 8;  // 8-feature chunks a token row

@@ -173,30 +173,35 @@ __device__ __forceinline__ void FenceSharedForAsyncProxy() {
 
 // d (+)= A B for a warpgroup's 64 x N tile (N = 32, 64 or 128), k = 16. accumulate = false
 // overwrites d. SS: A and B K-major in shared memory (descriptors). RS: A in registers (the
-// warp's m16n8k16 A fragment), B MN-major in shared memory.
+// warp's m16n8k16 A fragment), B MN-major in shared memory; RSKMajor: the same with B
+// K-major (the quantized linear's x tile, ffi/matmul/qlinear_wgmma_sm90.cu).
 template <typename T, int N>
 struct Wgmma;
 
 #if JAXGPU_WGMMA_DEVICE
 #define JAXGPU_WGMMA_SS(N, TYPE) JAXGPU_WGMMA_ASM(N, TYPE, SS, "0, 0", "l"(desc_a), "l"(desc_b))
-#define JAXGPU_WGMMA_RS(N, TYPE) \
-  JAXGPU_WGMMA_ASM(N, TYPE, RS, "1", "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
+#define JAXGPU_WGMMA_RS_TRANS(N, TYPE, TRANS) \
+  JAXGPU_WGMMA_ASM(N, TYPE, RS, TRANS, "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b))
 #else
 #define JAXGPU_WGMMA_SS(N, TYPE) (void)0
-#define JAXGPU_WGMMA_RS(N, TYPE) (void)0
+#define JAXGPU_WGMMA_RS_TRANS(N, TYPE, TRANS) (void)0
 #endif
 
-#define JAXGPU_WGMMA_SPECIALIZE(T, TYPE, N)                                                 \
-  template <>                                                                               \
-  struct Wgmma<T, N> {                                                                      \
-    __device__ __forceinline__ static void SS(float (&d)[N / 8][4], uint64_t desc_a,        \
-                                              uint64_t desc_b, bool accumulate) {           \
-      JAXGPU_WGMMA_SS(N, TYPE);                                                             \
-    }                                                                                       \
-    __device__ __forceinline__ static void RS(float (&d)[N / 8][4], const uint32_t (&a)[4], \
-                                              uint64_t desc_b, bool accumulate) {           \
-      JAXGPU_WGMMA_RS(N, TYPE);                                                             \
-    }                                                                                       \
+#define JAXGPU_WGMMA_SPECIALIZE(T, TYPE, N)                                                       \
+  template <>                                                                                     \
+  struct Wgmma<T, N> {                                                                            \
+    __device__ __forceinline__ static void SS(float (&d)[N / 8][4], uint64_t desc_a,              \
+                                              uint64_t desc_b, bool accumulate) {                 \
+      JAXGPU_WGMMA_SS(N, TYPE);                                                                   \
+    }                                                                                             \
+    __device__ __forceinline__ static void RS(float (&d)[N / 8][4], const uint32_t (&a)[4],       \
+                                              uint64_t desc_b, bool accumulate) {                 \
+      JAXGPU_WGMMA_RS_TRANS(N, TYPE, "1");                                                        \
+    }                                                                                             \
+    __device__ __forceinline__ static void RSKMajor(float (&d)[N / 8][4], const uint32_t (&a)[4], \
+                                                    uint64_t desc_b, bool accumulate) {           \
+      JAXGPU_WGMMA_RS_TRANS(N, TYPE, "0");                                                        \
+    }                                                                                             \
   };
 
 JAXGPU_WGMMA_SPECIALIZE(__nv_bfloat16, "bf16", 32)
