@@ -134,7 +134,14 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
         + (" [quick]" if args.quick else ""), flush=True)
   if not args.no_anchors:
     bench.measure_anchors()
-  run_family(bench)
+  interrupted = False
+  try:
+    run_family(bench)
+  except KeyboardInterrupt:
+    # A run stopped at a time limit (`timeout -s INT`): the cases it measured are kept and
+    # written, the family marked as cut short.
+    interrupted = True
+    print("interrupted: writing the cases measured so far", file=sys.stderr, flush=True)
   bench.print_table()
 
   if not bench.records:
@@ -142,6 +149,7 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
     print("no records: nothing written", file=sys.stderr)
     return 1
   entry = bench.family_entry()
+  entry["interrupted"] = interrupted
   name = f"{bench.slug}.json"
   if not args.no_write and not args.quick:
     merge_family(RESULTS_DIR / name, bench.slug, family, entry, bench.keep_ops)
@@ -161,7 +169,7 @@ def main(family: str, run_family: Callable[[Bench], None], argv: Sequence[str] |
     merge_family(out / name, bench.slug, family, entry, bench.keep_ops)
     write_results_md(out, out / "RESULTS.md")
     print(f"wrote {out / name} and {out / 'RESULTS.md'}")
-  return 1 if bench.failures else 0
+  return 1 if bench.failures or interrupted else 0
 
 
 def _cli(argv: Sequence[str] | None = None) -> int:

@@ -124,3 +124,24 @@ def test_quick_bench_runs_on_cpu(tmp_path):
   recs = doc["families"]["norm"]["records"]
   assert {r["implementation"] for r in recs} == {"cpu", "xla"}
   assert (tmp_path / "RESULTS.md").exists()
+
+
+def test_interrupted_run_writes_what_it_measured(tmp_path):
+  """A run stopped at a time limit (SIGINT) still writes the cases it measured, marked as cut
+  short in the JSON and in RESULTS.md, and exits 1."""
+  import harness
+
+  def run(bench):
+    bench.records.append(Record(family="norm", op="rms_norm", case="8x8", shape=[8, 8],
+                                dtype="bfloat16", implementation="cpu", pass_="fwd",
+                                time_us=1.0, time_min_us=1.0, time_max_us=1.0, calls=1,
+                                repeats=1, anchor="xla"))
+    raise KeyboardInterrupt
+
+  rc = harness.main("norm", run, ["--no-write", "--no-anchors", "--out", str(tmp_path)])
+  assert rc == 1
+  (name,) = [p.name for p in tmp_path.glob("*.json")]
+  entry = json.loads((tmp_path / name).read_text())["families"]["norm"]
+  assert entry["interrupted"] is True
+  assert [r["case"] for r in entry["records"]] == ["8x8"]
+  assert "cut short at a time limit" in (tmp_path / "RESULTS.md").read_text()

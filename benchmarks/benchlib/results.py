@@ -92,7 +92,9 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
       ceil = e.get("ceiling_gbs")
       head = (f"{e.get('date', '?')}, commit `{e.get('commit') or 'unknown'}`, "
               f"jax {e.get('jax')} / jaxlib {e.get('jaxlib')}"
-              + (" -- **quick shapes, not representative**" if e.get("quick") else "") + ".")
+              + (" -- **quick shapes, not representative**" if e.get("quick") else "")
+              + (" -- **cut short at a time limit: the cases after the last listed were not"
+                 " run**" if e.get("interrupted") else "") + ".")
       if "command" in e:   # a family without ceilings (several GPUs): how to reproduce it
         head += f"  Command: {e['command']}."
       else:
