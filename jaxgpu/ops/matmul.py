@@ -81,7 +81,7 @@ _Q_WORKSPACE_FLOATS = 1 << 22
 # per 64-row chunk), the dequantize + cuBLASLt route 688 / 693 / 705 us (the dequantizing
 # copy is ~520 us of it); int8 alike (634 against 720 at 128, 998 against 737 at 192): they
 # cross between 128 and 192. The Hopper kernel beats the dense route at every M measured
-# (int4 8192 x 28672: 198 us at M = 256, 2.86 ms at M = 4096, against ~0.8 and ~3.2 ms).
+# (int4 8192 x 28672: 198 us at M = 256, 2.86 ms at M = 4096, against ~0.7 and ~3.2 ms).
 DENSE_FROM_ROWS = 192
 
 _X = "g ... k"       # (G, ...rows, K)
