@@ -124,7 +124,6 @@ constexpr int kWarps = kThreads / 32;
 constexpr int kStageWeightBytes = JAXGPU_QLINEAR_STAGE_BYTES;  // packed weight bytes per stage
 constexpr int kMaxSplits = 32;
 constexpr int64_t kMaxWorkspaceFloats = int64_t(1) << 22;
-constexpr int kMaxDevices = 64;
 
 template <int kBits, int kMT>
 struct Config {
@@ -529,8 +528,6 @@ __global__ void __launch_bounds__(256) QLinearReduceKernel(const QLinearParams p
   }
 }
 
-int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device);
-
 // Developer knob (common/dev_knobs.h): JAXGPU_QLINEAR_PDL=-1 launches the split-K reduction
 // after the products' kernel without programmatic dependent launch.
 const DevKnob& ReduceKnob() {
@@ -567,19 +564,6 @@ cudaError_t LaunchReduce(const QLinearParams& p, int splits, int sms, int device
   return cudaLaunchKernelEx(&cfg, QLinearReduceKernel<T>, p, splits);
 }
 
-int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device) {
-  if (device < 0 || device >= kMaxDevices) {
-    int v = 0;
-    return cudaDeviceGetAttribute(&v, attr, device) == cudaSuccess ? v : 0;
-  }
-  int v = cache[device].load(std::memory_order_relaxed);
-  if (v == 0) {
-    if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess) return 0;
-    cache[device].store(v, std::memory_order_relaxed);
-  }
-  return v;
-}
-
 // Splits of K for `base` blocks over kt k tiles: as many as fill the resident slots in one
 // wave, at most what the workspace holds and at least one stage (ks tiles) per split.
 int ChooseSplits(int64_t base, int64_t kt, int ks, int slots, int64_t out_elems,
@@ -606,17 +590,16 @@ cudaError_t Launch(const QLinearParams& p, cudaStream_t stream, int device, int 
                                ? C::kStages * StageBytes<kBits, kMT>(C::kMaxRows)
                                : C::kOutBytes;
   static std::atomic<bool> opted[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
+  const cudaError_t opt_err = OncePerDevice(opted, device, [&] {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kMaxSmem);
-    if (err != cudaSuccess) return err;
     // All of L1 as shared memory: the weights bypass L1 (cp.async.cg), and 2 blocks per SM
     // need ~2 x 100 KiB.
-    const cudaError_t err2 =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (err2 != cudaSuccess) return err2;
-    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
-  }
+    return err != cudaSuccess
+               ? err
+               : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  });
+  if (opt_err != cudaSuccess) return opt_err;
 
   Args a{};
   a.p = p;
@@ -1123,17 +1106,16 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
   using GC = GemvConfig<kBits, kNT>;
   auto kernel = QLinearGemvKernel<T, kBits, kNT>;
   static std::atomic<bool> opted[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
+  const cudaError_t opt_err = OncePerDevice(opted, device, [&] {
     const cudaError_t err =
         cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kGemvSmemBudget);
-    if (err != cudaSuccess) return err;
     // All of L1 as shared memory (the weights are not cached in L1): 2 blocks of up to
     // 100 KiB per SM.
-    const cudaError_t err2 =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
-    if (err2 != cudaSuccess) return err2;
-    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
-  }
+    return err != cudaSuccess
+               ? err
+               : cudaFuncSetAttribute(kernel, cudaFuncAttributePreferredSharedMemoryCarveout, 100);
+  });
+  if (opt_err != cudaSuccess) return opt_err;
   const DevKnob& knob = GemvKnob();
 
   GemvArgs a{};
@@ -1199,6 +1181,19 @@ cudaError_t LaunchGemv(const QLinearParams& p, cudaStream_t stream, int device, 
 
 }  // namespace
 
+int DeviceAttribute(cudaDeviceAttr attr, std::atomic<int>* cache, int device) {
+  if (device < 0 || device >= kMaxDevices) {
+    int v = 0;
+    return cudaDeviceGetAttribute(&v, attr, device) == cudaSuccess ? v : 0;
+  }
+  int v = cache[device].load(std::memory_order_relaxed);
+  if (v == 0) {
+    if (cudaDeviceGetAttribute(&v, attr, device) != cudaSuccess) return 0;
+    cache[device].store(v, std::memory_order_relaxed);
+  }
+  return v;
+}
+
 cudaError_t LaunchSplitReduce(const QLinearParams& p, int splits, cudaStream_t stream, int device,
                               int sms) {
   return JAXGPU_DTYPE_SWITCH(p.dtype, T, kHalfDTypes,
@@ -1218,7 +1213,14 @@ int64_t QLinearWorkspaceFloats(int64_t groups, int64_t m, int64_t n) {
 
 bool QLinearGemvEligible(const QLinearParams& p) { return qlinear::GemvEligible(p); }
 
-bool QLinearWgmmaEligible(const QLinearParams& p) { return qlinear::WgmmaEligible(p); }
+bool QLinearWgmmaEligible(const QLinearParams& p) {
+  int device = 0;
+  if (cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  return qlinear::WgmmaEligible(p, device);
+}
 
 cudaError_t LaunchQLinear(const QLinearParams& p, cudaStream_t stream) {
   return LaunchQLinearPath(p, stream, QLinearPath::kAuto);
@@ -1243,7 +1245,7 @@ cudaError_t LaunchQLinearPath(const QLinearParams& p, cudaStream_t stream, QLine
   if (p.k > 0 &&
       (path == QLinearPath::kWgmma ||
        (path == QLinearPath::kAuto && p.m >= qlinear::kWgmmaFromRows)) &&
-      qlinear::WgmmaEligible(p)) {
+      qlinear::WgmmaEligible(p, device)) {
     return qlinear::LaunchWgmma(p, stream, device, sms);
   }
   const bool gemv = p.k > 0 && (path == QLinearPath::kGemv

@@ -75,10 +75,6 @@ namespace wgmma_kernel {
 #define JAXGPU_QLINEAR_WG_WAVES 0
 #endif
 // A fragment buffers (MMA groups in flight a warpgroup: this minus one waited for).
-// Diagnostic only (0 breaks the register ordering rule): a wgmma fence before every group.
-#ifndef JAXGPU_QLINEAR_WG_FENCE
-#define JAXGPU_QLINEAR_WG_FENCE 1
-#endif
 #ifndef JAXGPU_QLINEAR_WG_BUFS
 #define JAXGPU_QLINEAR_WG_BUFS 2
 #endif
@@ -96,7 +92,6 @@ inline constexpr int kSmemBudget = 200 * 1024;
 inline constexpr int kMaxStages = 16;
 inline constexpr int kMinTilesPerSplit = 4;
 inline constexpr int kMaxSplits = 32;
-inline constexpr int kMaxDevices = 64;
 
 // Runs step(i0 + u, A buffer of u's first group) for u = U... below `count`: the buffers
 // rotate by kNWT groups a tile, so a compile-time unrolled run of tiles keeps every index
@@ -128,24 +123,6 @@ __device__ __forceinline__ void ForEachAccumulator(float (&acc)[kNWT][kTH][kJ][4
 }
 
 inline bool Aligned16(const void* ptr) { return reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
-
-// Whether `device` is a compute capability 9.0 GPU (read once per device).
-inline bool IsSm90(int device) {
-  static std::atomic<int> cache[kMaxDevices];  // 0 unknown, 1 yes, 2 no
-  const bool cached = device >= 0 && device < kMaxDevices;
-  int v = cached ? cache[device].load(std::memory_order_relaxed) : 0;
-  if (v == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    v = major == 9 && minor == 0 ? 1 : 2;
-    if (cached) cache[device].store(v, std::memory_order_relaxed);
-  }
-  return v == 1;
-}
 
 // kNWT: m64 row blocks (64 features) a math warpgroup owns, so n-tiles a math warp.
 template <int kBits, int kBT, int kNWT>
@@ -337,7 +314,7 @@ __global__ void __launch_bounds__(kThreads, 1)
       }
 #pragma unroll
       for (int k16 = 0; k16 < 4; ++k16) dq[b].Step(af[k16], w, k16);
-      if (JAXGPU_QLINEAR_WG_FENCE || (i == 0 && b == 0)) sm90::Fence();
+      sm90::Fence();
 #pragma unroll
       for (int k16 = 0; k16 < 4; ++k16) {
 #pragma unroll
@@ -420,12 +397,10 @@ cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device,
   using C = WgConfig<kBits, kBT, kNWT>;
   auto kernel = QLinearWgmmaKernel<T, kBits, kBT, kNWT>;
   static std::atomic<bool> opted[kMaxDevices];
-  if (device < 0 || device >= kMaxDevices || !opted[device].load(std::memory_order_relaxed)) {
-    const cudaError_t err =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
-    if (err != cudaSuccess) return err;
-    if (device >= 0 && device < kMaxDevices) opted[device].store(true, std::memory_order_relaxed);
-  }
+  const cudaError_t opt_err = OncePerDevice(opted, device, [&] {
+    return cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, C::kSmemBytes);
+  });
+  if (opt_err != cudaSuccess) return opt_err;
   CUtensorMap x_map;
   if (!sm90::EncodeRowsTensorMap(&x_map, p.x, 2, p.groups, p.m, 1, p.k, p.k, kBT)) {
     return cudaErrorNotSupported;
@@ -474,7 +449,7 @@ cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device,
 
 }  // namespace
 
-bool WgmmaEligible(const QLinearParams& p) {
+bool WgmmaEligible(const QLinearParams& p, int device) {
 #ifdef JAXGPU_HAS_SM90A
   if (p.n % kQTileN != 0 || p.k % 8 != 0) return false;
   if (QScaleRows(p) > 1 && p.group_size % kQTileK != 0) return false;
@@ -483,14 +458,13 @@ bool WgmmaEligible(const QLinearParams& p) {
     return false;
   }
   if (sm90::TensorMapEncoder() == nullptr) return false;
-  int device = 0;
-  if (cudaGetDevice(&device) != cudaSuccess) {
-    cudaGetLastError();
-    return false;
-  }
-  return IsSm90(device);
+  // sm_90a code runs on compute capability 9.0 only.
+  static std::atomic<int> major_cache[kMaxDevices], minor_cache[kMaxDevices];
+  return DeviceAttribute(cudaDevAttrComputeCapabilityMajor, major_cache, device) == 9 &&
+         DeviceAttribute(cudaDevAttrComputeCapabilityMinor, minor_cache, device) == 0;
 #else
   (void)p;
+  (void)device;
   return false;
 #endif
 }

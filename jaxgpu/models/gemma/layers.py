@@ -28,7 +28,7 @@ import numpy as np
 
 import jaxgpu
 from jaxgpu import _implementation
-from jaxgpu.models.gemma import sharding
+from jaxgpu.models.gemma import quantize, sharding
 from jaxgpu.models.gemma.config import Config
 from jaxgpu.reference import attention as reference_attention
 
@@ -149,12 +149,8 @@ def project_fused(x, w, out_dims: tuple[tuple[int, ...], ...], implementation):
   concatenated along N): one jaxgpu.linear, its columns split into each part's
   (..., *out_dims[i])."""
   y = jaxgpu.linear(x, w, implementation=implementation)
-  lead, outs, start = x.shape[:-1], [], 0
-  for dims in out_dims:
-    width = math.prod(dims)
-    outs.append(y[..., start:start + width].reshape(lead + tuple(dims)))
-    start += width
-  return outs
+  parts = quantize.split_columns(y, [math.prod(dims) for dims in out_dims])
+  return [part.reshape(x.shape[:-1] + tuple(dims)) for part, dims in zip(parts, out_dims)]
 
 
 def mlp(p, y, config: Config, implementation, mesh=None):

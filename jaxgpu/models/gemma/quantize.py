@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 
 import jax.numpy as jnp
+import numpy as np
 
 import jaxgpu
 from jaxgpu.models.gemma.config import Config
@@ -32,6 +33,12 @@ FUSED = {"qkv": ("q", "k", "v"), "gate_up": ("gate", "up")}
 def matrix_shape(name: str, shape: tuple[int, ...]) -> tuple[int, int]:
   c = CONTRACTED[name]
   return (math.prod(shape[:c]), math.prod(shape[c:]))
+
+
+def split_columns(a, widths) -> list:
+  """a's last axis split into consecutive parts of the given widths (a fused matrix's or
+  its product's columns back into each part's)."""
+  return jnp.split(a, np.cumsum(widths)[:-1].tolist(), axis=-1)
 
 
 def fused_shapes(layer_shapes: dict, names) -> dict:
@@ -90,11 +97,9 @@ def dequantize_params(qparams: dict, config: Config, dtype=None) -> dict:
     out = {}
     for name, w in layer.items():
       if name in FUSED:
-        dense, start = w.dequantize(dtype), 0
-        for part in FUSED[name]:
-          width = matrix_shape(part, shapes[part])[1]
-          out[part] = dense[:, start:start + width].reshape(shapes[part])
-          start += width
+        widths = [matrix_shape(part, shapes[part])[1] for part in FUSED[name]]
+        for part, dense in zip(FUSED[name], split_columns(w.dequantize(dtype), widths)):
+          out[part] = dense.reshape(shapes[part])
       elif name in CONTRACTED and isinstance(w, jaxgpu.QuantizedWeight):
         out[name] = w.dequantize(dtype).reshape(shapes[name])
       else:
