@@ -396,7 +396,8 @@ void TimeCase(const Case& c, int iters, double copy) {
   }
   const double us = MedianUs(ms);
   const bool q8 = c.kv_dtype == DType::kS8 || c.kv_dtype == DType::kF8E4M3;
-  const double kv = double(c.b) * c.length * c.k * (q8 ? c.h + 4 : 2 * c.h) * 2;
+  const int64_t keys = c.window >= 0 ? std::min<int64_t>(c.length, c.window + c.tq) : c.length;
+  const double kv = double(c.b) * keys * c.k * (q8 ? c.h + 4 : 2 * c.h) * 2;
   const double bytes = kv + 2.0 * c.b * c.tq * c.n * c.h * 2;
   double graph_us = 0;
   if (c.b == 1) {  // 64 calls replayed from a graph: the per-call cost without dispatch
@@ -417,6 +418,7 @@ void TimeCase(const Case& c, int iters, double copy) {
               c.h, c.b, (long long)(c.length / 1024), c.tq, CacheName(c.kv_dtype), us,
               bytes / us * 1e-6, 100.0 * bytes / (us * 1e-6) / copy);
   if (graph_us > 0) std::printf(" | graph %.1f us/call", graph_us);
+  if (c.window >= 0) std::printf(" (window %d)", c.window);
   std::printf("\n");
   Free(pr);
 }
@@ -466,16 +468,28 @@ int main(int argc, char** argv) {
     if (cases.empty()) {
       const DType bf = DType::kBF16, s8 = DType::kS8, e4 = DType::kF8E4M3;
       const int64_t k4 = 4096, k32 = 32768, k128 = 131072;
-      cases = {{32, 8, 128, 8, k32, 1, bf, bf},  {32, 8, 128, 64, k32, 1, bf, bf},
-               {32, 8, 128, 8, k128, 1, bf, bf}, {32, 8, 128, 8, k32, 8, bf, bf},
-               {32, 8, 128, 64, k32, 8, bf, bf}, {32, 8, 128, 8, k32, 1, bf, s8},
-               {32, 8, 128, 8, k32, 1, bf, e4},  {32, 8, 128, 64, k32, 1, bf, s8},
-               {32, 8, 128, 8, k32, 8, bf, s8},  {32, 8, 256, 8, k32, 1, bf, bf},
-               {32, 8, 256, 8, k32, 8, bf, bf},  {32, 8, 256, 8, k32, 1, bf, s8},
-               {32, 8, 256, 8, k32, 8, bf, s8},  {8, 1, 128, 64, k32, 1, bf, bf},
-               {8, 1, 128, 64, k32, 8, bf, bf},  {32, 8, 128, 1, k4, 1, bf, bf},
-               {32, 8, 128, 1, k4, 8, bf, bf},   {8, 1, 128, 1, k4, 1, bf, bf},
-               {32, 8, 128, 1, k32, 1, bf, bf}};
+      cases = {{32, 8, 128, 8, k32, 1, bf, bf},
+               {32, 8, 128, 64, k32, 1, bf, bf},
+               {32, 8, 128, 8, k128, 1, bf, bf},
+               {32, 8, 128, 8, k32, 8, bf, bf},
+               {32, 8, 128, 64, k32, 8, bf, bf},
+               {32, 8, 128, 8, k32, 1, bf, s8},
+               {32, 8, 128, 8, k32, 1, bf, e4},
+               {32, 8, 128, 64, k32, 1, bf, s8},
+               {32, 8, 128, 8, k32, 8, bf, s8},
+               {32, 8, 256, 8, k32, 1, bf, bf},
+               {32, 8, 256, 8, k32, 8, bf, bf},
+               {32, 8, 256, 8, k32, 1, bf, s8},
+               {32, 8, 256, 8, k32, 8, bf, s8},
+               {8, 1, 128, 64, k32, 1, bf, bf},
+               {8, 1, 128, 64, k32, 8, bf, bf},
+               {32, 8, 128, 1, k4, 1, bf, bf},
+               {32, 8, 128, 1, k4, 8, bf, bf},
+               {8, 1, 128, 1, k4, 1, bf, bf},
+               {32, 8, 128, 1, k32, 1, bf, bf},
+               // Gemma 3 1b's decode step: 4/1 H 256, a global and a local (window 512) layer
+               {4, 1, 256, 1, k4, 1, bf, bf},
+               {4, 1, 256, 1, k4, 1, bf, bf, false, 0, 0.f, 511}};
     }
     for (const Case& c : cases) TimeCase(c, iters, copy);
   }

@@ -40,6 +40,7 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <type_traits>
 
@@ -728,8 +729,14 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
   const int64_t rk_count = p->groups * p->batch * p->kv_heads;
   const int64_t row_tiles = CeilDiv(rows_per_kv, L::kRows);
   if (slots > 0) {
-    p->num_splits = ChooseSplits(rk_count * row_tiles, slots, p->num_splits,
-                                 CeilDiv(p->max_pages * p->page_size, kKeys));
+    // A windowed row reads at most window + Tq keys from a 64-key boundary: more splits than
+    // its tiles would be empty blocks and empty partials for the combine (Gemma 3's local
+    // layers: 9 tiles of a 4k table's 65).
+    int64_t max_tiles = CeilDiv(p->max_pages * p->page_size, kKeys);
+    if (p->window_left >= 0) {
+      max_tiles = std::min(max_tiles, CeilDiv(p->window_left + p->q_len, kKeys) + 1);
+    }
+    p->num_splits = ChooseSplits(rk_count * row_tiles, slots, p->num_splits, max_tiles);
   }
   const int64_t blocks = rk_count * p->num_splits * row_tiles;
   if (blocks > INT32_MAX) return cudaErrorInvalidConfiguration;
