@@ -6,6 +6,7 @@
 //       tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu
 //   /tmp/dc                      # correctness, then the speed table
 //   /tmp/dc --case 32,8,128,8,32768,1,int8 --iters 3   # one case (e.g. under ncu)
+//   /tmp/dc --case 4,1,256,1,4096,1,bf16,8,511        # at most 8 splits, window 511
 //
 // Correctness: random pools with each row's pages shuffled, ragged lengths (one row of
 // length 0), Tq 1..16, GQA / MQA, H 64..256, bf16 / f16 / int8 / e4m3 caches with per-token
@@ -427,9 +428,9 @@ Case ParseCase(const std::string& s) {
   Case c{};
   char cache[16] = "bf16";
   long long length = 0;
-  if (std::sscanf(s.c_str(), "%d,%d,%d,%d,%lld,%d,%15s", &c.n, &c.k, &c.h, &c.b, &length, &c.tq,
-                  cache) < 6) {
-    std::printf("--case N,K,H,B,L,Tq[,bf16|int8|e4m3]\n");
+  if (std::sscanf(s.c_str(), "%d,%d,%d,%d,%lld,%d,%15[^,],%d,%d", &c.n, &c.k, &c.h, &c.b, &length,
+                  &c.tq, cache, &c.splits, &c.window) < 6) {
+    std::printf("--case N,K,H,B,L,Tq[,bf16|int8|e4m3[,max splits (0: default)[,window]]]\n");
     std::exit(2);
   }
   c.length = length;
@@ -456,8 +457,9 @@ int main(int argc, char** argv) {
     else if (a == "--case" && i + 1 < argc)
       cases.push_back(ParseCase(argv[++i])), check = false;
     else {
-      std::printf("usage: %s [--no-check] [--no-time] [--iters N] [--case N,K,H,B,L,Tq,cache]\n",
-                  argv[0]);
+      std::printf(
+          "usage: %s [--no-check] [--no-time] [--iters N] [--case N,K,H,B,L,Tq,cache,splits,window]\n",
+          argv[0]);
       return 2;
     }
   }

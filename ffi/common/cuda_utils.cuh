@@ -136,6 +136,16 @@ inline int64_t MaxStagedBytes(int64_t static_bytes) {
   return bytes - static_bytes;
 }
 
+// The current device's multiprocessor count; 0 if the query fails.
+inline int SmCount() {
+  int device = 0, sms = 0;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+    return 0;
+  }
+  return sms;
+}
+
 // Opts `kernel` into `bytes` of dynamic shared memory: needed above the default 48 KiB.
 template <typename Kernel>
 cudaError_t AllowSmem(Kernel kernel, int64_t bytes) {
