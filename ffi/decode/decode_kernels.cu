@@ -302,8 +302,8 @@ __global__ void __launch_bounds__(kThreads)
 // Tq x N/K blocks (4 for Gemma 3 1b), so the block spreads the splits over its threads:
 // the log-sum-exps one split a thread, the partials' float4 columns over H/4 threads and
 // the splits over the thread groups, summed across groups through shared memory in a
-// fixed order (deterministic). With one thread walking the splits (the previous form) a
-// combine of 64 splits took 11.5 us on the H100, as long as the split kernel itself.
+// fixed order (deterministic). A single thread walking 64 splits measured 11.5 us on the
+// H100, as long as the split kernel itself; spread over the block, 3.8 us.
 template <typename T>
 __global__ void __launch_bounds__(kCombineThreads)
     PagedAttentionCombineKernel(const PagedAttentionParams p, int64_t rows_per_kv) {
