@@ -11,12 +11,10 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
-#include <algorithm>
 #include <cstdio>
-#include <cstdlib>
 #include <functional>
-#include <vector>
 
+#include "check_common.h"
 #include "norm/norm_cuda.h"
 
 namespace {
@@ -24,15 +22,7 @@ namespace {
 using jaxgpu::DType;
 using jaxgpu::NormFwdParams;
 using jaxgpu::NormKind;
-
-#define CK(x)                                             \
-  do {                                                    \
-    cudaError_t e = (x);                                  \
-    if (e != cudaSuccess) {                               \
-      std::printf("%s: %s\n", #x, cudaGetErrorString(e)); \
-      std::exit(1);                                       \
-    }                                                     \
-  } while (0)
+using jaxgpu::check::GraphUsPerCall;
 
 __global__ void Copy(const uint4* x, uint4* y, int n) {
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
@@ -72,24 +62,11 @@ double UsPerCall(const std::function<void(cudaStream_t, int)>& launch, int calls
   for (int i = 0; i < calls; ++i) launch(s, i);
   CK(cudaStreamEndCapture(s, &graph));
   CK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t e0, e1;
-  CK(cudaEventCreate(&e0));
-  CK(cudaEventCreate(&e1));
-  std::vector<float> ms;
-  for (int r = 0; r < 12; ++r) {
-    CK(cudaEventRecord(e0, s));
-    CK(cudaGraphLaunch(exec, s));
-    CK(cudaEventRecord(e1, s));
-    CK(cudaEventSynchronize(e1));
-    float t;
-    CK(cudaEventElapsedTime(&t, e0, e1));
-    ms.push_back(t);
-  }
-  std::sort(ms.begin(), ms.end());
+  const double us = GraphUsPerCall(exec, s, calls, 12);
   CK(cudaGraphExecDestroy(exec));
   CK(cudaGraphDestroy(graph));
   CK(cudaStreamDestroy(s));
-  return ms[ms.size() / 2] * 1e3 / calls;
+  return us;
 }
 
 }  // namespace
