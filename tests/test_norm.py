@@ -124,6 +124,17 @@ def test_forward_eager(kind, implementation, rng):
   _check_forward(case, implementation, rng, jit=False)
 
 
+@pytest.mark.parametrize("lead", [(1,), (2, 150)], ids=["one-row", "past-one-wave"])
+@pytest.mark.parametrize("kind", ["rms", "layer"])
+def test_forward_both_grid_paths(kind, lead, implementation, rng):
+  """Rows of whole 16-byte vectors (D = 1152, Gemma 3 1b's width) at one row, which the
+  CUDA launcher gives its few-row register kernel, and at 300 rows, past one wave of
+  blocks on any current GPU, which take the staged kernel."""
+  case = Case(kind, jnp.bfloat16, lead, 1152, weight=True, bias=kind == "layer",
+              offset=1.0 if kind == "rms" else 0.0, residual=True)
+  _check_forward(case, implementation, rng)
+
+
 # ---- backward ------------------------------------------------------------------------------
 
 
