@@ -124,13 +124,14 @@ def test_forward_eager(kind, implementation, rng):
   _check_forward(case, implementation, rng, jit=False)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float16, jnp.float32])
 @pytest.mark.parametrize("lead", [(1,), (2, 150)], ids=["one-row", "past-one-wave"])
 @pytest.mark.parametrize("kind", ["rms", "layer"])
-def test_forward_both_grid_paths(kind, lead, implementation, rng):
+def test_forward_both_grid_paths(kind, lead, dtype, implementation, rng):
   """Rows of whole 16-byte vectors (D = 1152, Gemma 3 1b's width) at one row, which the
   CUDA launcher gives its few-row register kernel, and at 300 rows, past one wave of
   blocks on any current GPU, which take the staged kernel."""
-  case = Case(kind, jnp.bfloat16, lead, 1152, weight=True, bias=kind == "layer",
+  case = Case(kind, dtype, lead, 1152, weight=True, bias=kind == "layer",
               offset=1.0 if kind == "rms" else 0.0, residual=True)
   _check_forward(case, implementation, rng)
 
