@@ -15,9 +15,11 @@ from conftest import HAS_CUDA
 from jaxgpu.models import gemma
 
 
-# The kernel implementation of this machine: the CUDA kernels (gpu marker) or the CPU ones.
-KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
-KERNEL_IMPL = None if HAS_CUDA else "cpu"  # the same, as a plain value
+# The kernel implementation of this machine: the CUDA kernels (gpu marker) or the CPU ones,
+# named explicitly, so that every op runs its kernel at the tests' small sizes too (the
+# default leaves norms, RoPE and the gated unit of a small step to XLA: layers.py).
+KERNELS = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNEL_IMPL = "cuda" if HAS_CUDA else "cpu"  # the same, as a plain value
 
 
 @pytest.fixture(autouse=True)

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from jaxgpu.models import gemma
+from jaxgpu.models.gemma import layers
 
 import gemma_util as U
 from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
@@ -206,3 +207,36 @@ def test_tensor_parallel_generation_matches_one_device(cache, cpu_devices):
   for col in found:
     assert col.kind == "all-reduce" and col.groups == model, col.line
     assert all(s in ((b, 1, c.d_model), ()) for s in col.shapes), col.line
+
+
+def _targets(lowered) -> set[str]:
+  return set(re.findall(r'custom_call_target="(jaxgpu_[^"]+)"', lowered.compile().as_text()))
+
+
+POINTWISE = ("rms_norm", "rope", "geglu")
+
+
+def test_the_default_leaves_a_small_steps_pointwise_ops_to_xla():
+  """implementation=None: a decode step (3 tokens) runs its norms, RoPE and gated unit as
+  XLA fusions and keeps the cache and attention kernels; an explicit kernel implementation
+  runs them all; a step over more than XLA_FUSES_UP_TO_TOKENS tokens runs the
+  kernels under the default too."""
+  c = gemma.Config.tiny(3)
+  params = U.random_params(c, 61)
+  kv = gemma.empty_cache(c, 3, 40, jnp.float32, cache="paged", page_size=8)
+  tokens = jnp.ones((3,), jnp.int32)
+
+  def step_targets(implementation):
+    return _targets(gemma.decode_step.lower(params, c, kv, tokens, tokens,
+                                            implementation=implementation))
+
+  default, explicit = step_targets(None), step_targets(KERNEL)
+  for name in ("paged_kv_update", "paged_attention"):
+    assert any(name in t for t in default), (name, default)
+  for name in POINTWISE:
+    assert not any(name in t for t in default), (name, default)
+    assert any(name in t for t in explicit), (name, explicit)
+  rows = layers.XLA_FUSES_UP_TO_TOKENS + 1
+  forward = jax.jit(gemma.forward, static_argnames=("config", "implementation")).lower(
+      params, c, jnp.ones((1, rows), jnp.int32), implementation=None)
+  assert all(any(name in t for t in _targets(forward)) for name in POINTWISE)

@@ -96,7 +96,8 @@ def trunk(params, config: Config, tokens, positions, attend_for, *, implementati
       fn = jax.checkpoint(fn)
     h, d, extra = fn(p, h, d, positions)
     extras.append(extra)
-  y, _ = layers.rms_norm(d, params["final_norm"], config, implementation, residual=h)
+  pointwise = layers.pointwise_implementation(implementation, tokens.shape[0] * tokens.shape[1])
+  y, _ = layers.rms_norm(d, params["final_norm"], config, pointwise, residual=h)
   return y, extras
 
 
