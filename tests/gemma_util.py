@@ -13,13 +13,14 @@ import pytest
 
 from conftest import HAS_CUDA
 from jaxgpu.models import gemma
+from jaxgpu.models.gemma import layers
 
 
-# The kernel implementation of this machine: the CUDA kernels (gpu marker) or the CPU ones,
-# named explicitly, so that every op runs its kernel at the tests' small sizes too (the
-# default leaves norms, RoPE and the gated unit of a small step to XLA: layers.py).
-KERNELS = [pytest.param("cuda", marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
-KERNEL_IMPL = "cuda" if HAS_CUDA else "cpu"  # the same, as a plain value
+# The kernel implementation of this machine: the CUDA kernels (gpu marker) or the CPU ones.
+KERNELS = [pytest.param(None, marks=pytest.mark.gpu, id="cuda")] if HAS_CUDA else ["cpu"]
+KERNEL_IMPL = None if HAS_CUDA else "cpu"  # the same, as a plain value
+# The model's own threshold, before kernels_at_every_size sets it to 0.
+XLA_FUSES_UP_TO_TOKENS = layers.XLA_FUSES_UP_TO_TOKENS
 
 
 @pytest.fixture(autouse=True)
@@ -29,6 +30,15 @@ def exact_matmuls():
   import this fixture, which makes it apply to each of their tests."""
   with jax.default_matmul_precision("highest"):
     yield
+
+
+@pytest.fixture(autouse=True)
+def kernels_at_every_size(monkeypatch):
+  """Under the default implementation the model leaves a small step's norms, RoPE and gated
+  unit to XLA (layers.XLA_FUSES_UP_TO_TOKENS); the tests' steps are all small, so they set
+  the threshold to 0 and check those kernels inside the model too. Imported like
+  exact_matmuls; a test of the threshold itself sets it back."""
+  monkeypatch.setattr(layers, "XLA_FUSES_UP_TO_TOKENS", 0)
 
 
 def random_params(config, seed: int, dtype=jnp.float32, qk_gain: float = 3.0,

@@ -16,7 +16,7 @@ from jaxgpu.models import gemma
 from jaxgpu.models.gemma import layers
 
 import gemma_util as U
-from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
+from gemma_util import exact_matmuls, kernels_at_every_size  # noqa: F401 (autouse fixtures)
 
 KERNEL = U.KERNEL_IMPL
 # The tiny configs' window is 8. With pages of 8 a local layer's ring is 2 pages (16
@@ -216,27 +216,29 @@ def _targets(lowered) -> set[str]:
 POINTWISE = ("rms_norm", "rope", "geglu")
 
 
-def test_the_default_leaves_a_small_steps_pointwise_ops_to_xla():
-  """implementation=None: a decode step (3 tokens) runs its norms, RoPE and gated unit as
-  XLA fusions and keeps the cache and attention kernels; an explicit kernel implementation
-  runs them all; a step over more than XLA_FUSES_UP_TO_TOKENS tokens runs the
-  kernels under the default too."""
+def test_the_default_leaves_a_small_steps_pointwise_ops_to_xla(monkeypatch):
+  """implementation=None: a decode step (5 tokens) runs its norms, RoPE and gated unit as
+  XLA fusions and keeps the cache and attention kernels; the kernel implementation named
+  explicitly runs them all; a step over more than XLA_FUSES_UP_TO_TOKENS tokens runs the
+  kernels under the default too. (Shapes no other test traces: jit caches ignore the
+  threshold.)"""
+  monkeypatch.setattr(layers, "XLA_FUSES_UP_TO_TOKENS", U.XLA_FUSES_UP_TO_TOKENS)
   c = gemma.Config.tiny(3)
   params = U.random_params(c, 61)
-  kv = gemma.empty_cache(c, 3, 40, jnp.float32, cache="paged", page_size=8)
-  tokens = jnp.ones((3,), jnp.int32)
+  kv = gemma.empty_cache(c, 5, 43, jnp.float32, cache="paged", page_size=8)
+  tokens = jnp.ones((5,), jnp.int32)
 
   def step_targets(implementation):
     return _targets(gemma.decode_step.lower(params, c, kv, tokens, tokens,
                                             implementation=implementation))
 
-  default, explicit = step_targets(None), step_targets(KERNEL)
+  default, explicit = step_targets(None), step_targets("cuda" if U.HAS_CUDA else "cpu")
   for name in ("paged_kv_update", "paged_attention"):
     assert any(name in t for t in default), (name, default)
   for name in POINTWISE:
     assert not any(name in t for t in default), (name, default)
     assert any(name in t for t in explicit), (name, explicit)
-  rows = layers.XLA_FUSES_UP_TO_TOKENS + 1
+  rows = U.XLA_FUSES_UP_TO_TOKENS + 1
   forward = jax.jit(gemma.forward, static_argnames=("config", "implementation")).lower(
       params, c, jnp.ones((1, rows), jnp.int32), implementation=None)
   assert all(any(name in t for t in _targets(forward)) for name in POINTWISE)

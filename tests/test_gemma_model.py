@@ -17,7 +17,7 @@ from jaxgpu.models import gemma
 from jaxgpu.models.gemma import layers
 
 import gemma_util as U
-from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
+from gemma_util import exact_matmuls, kernels_at_every_size  # noqa: F401 (autouse fixtures)
 
 # jaxgpu's kernels: the CPU ones here; on a GPU machine None runs the CUDA kernels (and the
 # reference for float32 attention, which the CUDA kernels do not take).

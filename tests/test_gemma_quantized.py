@@ -14,7 +14,7 @@ import jaxgpu
 from jaxgpu.models import gemma
 
 import gemma_util as U
-from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
+from gemma_util import exact_matmuls, kernels_at_every_size  # noqa: F401 (autouse fixtures)
 
 KERNEL = U.KERNEL_IMPL
 

@@ -18,7 +18,7 @@ from jaxgpu.models import gemma
 from jaxgpu.models.gemma import sharding
 
 import gemma_util as U
-from gemma_util import exact_matmuls  # noqa: F401 (an autouse fixture)
+from gemma_util import exact_matmuls, kernels_at_every_size  # noqa: F401 (autouse fixtures)
 
 KERNELS = U.KERNELS
 
