@@ -310,13 +310,15 @@ __global__ void __launch_bounds__(kCombineThreads)
   __shared__ float s_w[kMaxCombineSplits];
   __shared__ float s_red[kCombineThreads / 32];  // a value per warp
   __shared__ __align__(16) float s_acc[kCombineThreads * 4];
-  const int64_t bid = blockIdx.x;
-  const int64_t rk = bid / rows_per_kv, rr = bid % rows_per_kv;
-  const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
+  // 32-bit index math (grid, rows, heads below 2^31): a 64-bit division is a routine of
+  // ~70 instructions, and this kernel's time is its dependent chain.
+  const uint32_t bid = blockIdx.x, rows = uint32_t(rows_per_kv);
+  const int64_t rk = bid / rows, rr = bid % rows;
+  const int64_t r = uint32_t(rk) / uint32_t(p.kv_heads), kvh = uint32_t(rk) % uint32_t(p.kv_heads);
   const int H = int(p.head_dim);
-  const int64_t rep = p.heads / p.kv_heads;
+  const int64_t rep = uint32_t(p.heads) / uint32_t(p.kv_heads);
   const int splits = p.num_splits;
-  const int64_t n_partials = int64_t(gridDim.x / rows_per_kv) * splits;
+  const int64_t n_partials = int64_t(gridDim.x / rows) * splits;
   const float* lse = p.workspace + n_partials * rows_per_kv * H;
   const int tid = threadIdx.x, lane = tid % 32, warp = tid / 32;
   constexpr int kCombineWarps = kCombineThreads / 32;
@@ -368,7 +370,7 @@ __global__ void __launch_bounds__(kCombineThreads)
   }
   reinterpret_cast<float4*>(s_acc)[tid] = acc;
   __syncthreads();
-  const int64_t t = rr / rep, n = kvh * rep + rr % rep;
+  const int64_t t = uint32_t(rr) / uint32_t(rep), n = kvh * rep + uint32_t(rr) % uint32_t(rep);
   T* out = static_cast<T*>(p.out) + ((r * p.q_len + t) * p.heads + n) * H;
   for (int h = tid; h < H; h += kCombineThreads) {
     float sum = 0.f;

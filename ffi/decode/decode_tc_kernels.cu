@@ -214,13 +214,16 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   int32_t* s_ok = reinterpret_cast<int32_t*>(smem + L::kOk);
   float* s_scale = reinterpret_cast<float*>(smem + L::kScale);
 
-  const int64_t bid = blockIdx.x;
-  const int tile = int(bid % row_tiles);
-  const int64_t rest = bid / row_tiles;
-  const int split = int(rest % p.num_splits);
-  const int64_t rk = rest / p.num_splits;  // (group x B + row) x K + kv head
-  const int64_t r = rk / p.kv_heads, kvh = rk % p.kv_heads;
-  const int64_t g_index = r / p.batch;
+  // 32-bit index math (the grid, splits, kv heads and batch are all below 2^31): a small
+  // call is issue-bound, and each 64-bit division is a ~70-instruction routine.
+  const uint32_t bid = blockIdx.x;
+  const int tile = int(bid % uint32_t(row_tiles));
+  const uint32_t rest = bid / uint32_t(row_tiles);
+  const int split = int(rest % uint32_t(p.num_splits));
+  const uint32_t rk32 = rest / uint32_t(p.num_splits);  // (group x B + row) x K + kv head
+  const int64_t rk = rk32;
+  const int64_t r = rk32 / uint32_t(p.kv_heads), kvh = rk32 % uint32_t(p.kv_heads);
+  const int64_t g_index = uint32_t(r) / uint32_t(p.batch);
   // Key group `warp`, head-dim slice `slice` (head dims [slice kSlice, + kSlice)).
   const int warp = threadIdx.x / 32 % kWarps, slice = threadIdx.x / 32 / kWarps;
   const int lane = threadIdx.x % 32;
@@ -236,7 +239,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   int64_t lo = p.window_left >= 0 ? len - p.q_len - p.window_left : 0;
   lo = lo < 0 ? 0 : (lo > hi ? hi : lo);
   const int64_t first = lo / kKeys * kKeys;
-  const int64_t per_split = CeilDiv(CeilDiv(hi - first, kKeys), p.num_splits) * kKeys;
+  const int32_t tiles = int32_t((hi - first + kKeys - 1) / kKeys);
+  const int64_t per_split = int64_t((tiles + p.num_splits - 1) / p.num_splits) * kKeys;
   const int64_t begin64 = first + split * per_split;
   const int32_t begin = int32_t(begin64 > hi ? hi : begin64);
   const int32_t end = int32_t(begin + per_split > hi ? hi : begin + per_split);
@@ -340,7 +344,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     *row = i / (kHD / 8), *chunk = i % (kHD / 8);
     const int64_t rr = row0 + *row;
     if (rr >= rows_per_kv || *chunk * 8 >= H) return nullptr;
-    return query + ((r * p.q_len + rr / rep) * N + kvh * rep + rr % rep) * H + *chunk * 8;
+    const uint32_t t = uint32_t(rr) / uint32_t(rep), n = uint32_t(rr) % uint32_t(rep);
+    return query + ((r * p.q_len + t) * N + kvh * rep + n) * H + *chunk * 8;
   };
   float q_unscale = 1.f;  // the logits' factor undoing the query's scaling
   if constexpr (kIs8Bit<KV>) {
@@ -402,7 +407,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int64_t rr = row0 + mi * 16 + g + 8 * h;
-      pos[mi][h] = pos0 + int32_t((rr < rows_per_kv ? rr : 0) / rep);
+      pos[mi][h] = pos0 + int32_t(uint32_t(rr < rows_per_kv ? rr : 0) / uint32_t(rep));
     }
   }
   const int32_t window = p.window_left;
@@ -666,6 +671,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         s_m[warp * kRows + row] = m[mi][h];
         s_l[warp * kRows + row] = sum;
       }
+      if (row0 + row >= rows_per_kv) continue;  // padding: WriteMergedRows never reads it
       float* o_row = s_o + (warp * kRows + row) * kHD + slice * kSlice;
 #pragma unroll
       for (int nt = 0; nt < kSlice / 8; ++nt) {

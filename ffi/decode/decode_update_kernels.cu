@@ -20,16 +20,21 @@ constexpr int kPerLane = kMaxHeadDim / 32;
 
 // The pool slot (group x P + page) x S + slot of new token `token` ((group x B + row) x Tn
 // + t), or -1 when its position or its page entry is out of range (the token is skipped).
+// The pool slot of new token `token` (< 2^31, the grid), or -1 where its position or page
+// is out of range. 32-bit divisions: positions are int32 and the table's dimensions are
+// below 2^31, and a 64-bit division is a ~70-instruction routine on the path of a kernel
+// that copies a few KB.
 template <typename Params>
 __device__ __forceinline__ int64_t TokenSlot(const Params& p, int64_t token) {
-  const int64_t r = token / p.new_len;
-  const int64_t g = r / p.batch;
-  const int64_t pos = p.positions[token];
+  const uint32_t r = uint32_t(token) / uint32_t(p.new_len);
+  const int64_t g = r / uint32_t(p.batch);
+  const int32_t pos = p.positions[token];
   const int64_t cap = p.max_pages * p.page_size;
   if (pos < 0 || pos >= cap) return -1;
-  const int64_t page = p.block_table[r * p.max_pages + pos / p.page_size];
+  const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);
+  const int64_t page = p.block_table[int64_t(r) * p.max_pages + column];
   if (page < 0 || page >= p.num_pages) return -1;
-  return (g * p.num_pages + page) * p.page_size + pos % p.page_size;
+  return (g * p.num_pages + page) * p.page_size + (uint32_t(pos) - column * uint32_t(p.page_size));
 }
 
 // One block per new token: its K and V rows (K x H values each) copied to their slot in
