@@ -692,15 +692,24 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
 }
 
 // The split count that keeps the GPU's block slots busiest: p.num_splits (the workspace's
-// size, from jaxgpu/ops/decode.py) is an upper bound; each count costs waves / splits of a
-// whole row's time, waves = ceil(blocks / slots). Whole waves matter: measured on the H100
-// (bf16, 32/8, H 128, B 8, L 32k, 2 blocks an SM) the 5 splits of the old block-count rule
-// made 320 blocks for 264 slots and read 1.79 TB/s. Among counts within 3% of the best, the
-// smallest wins (fewer partials to combine). Splits past the row's capacity in 64-key
-// tiles would only be empty.
+// size, from jaxgpu/ops/decode.py) is an upper bound. A count costs waves x (its split's
+// tiles + a block's fixed cost), waves = ceil(blocks / slots), tiles = ceil(the row's
+// capacity in 64-key tiles / splits). Whole waves matter: measured on the H100 (bf16, 32/8,
+// H 128, B 8, L 32k, 2 blocks an SM) the 5 splits of an older block-count rule made 320
+// blocks for 264 slots and read 1.79 TB/s. The fixed cost (the query, the first tiles'
+// latency, the merge and the partial's write) is about two tiles' streaming time: on the
+// H200 (tools/decode_check, CUDA graph) a one-tile block takes ~9.4 us where a block
+// streams a tile in ~2.8; without it, 4/1 H 256 B 8 L 4k took 33 splits of 2 tiles (two
+// waves at one block an SM) where 16 of 4 tiles measured 22% faster on the H100. Among
+// counts within 3% of the best, the smallest wins (fewer partials to combine). Splits past
+// the row's capacity in tiles would only be empty.
+constexpr int kFixedTiles = 2;
+
 int ChooseSplits(int64_t base_blocks, int64_t slots, int max_splits, int64_t max_tiles) {
   const int most = int(max_tiles < max_splits ? (max_tiles < 1 ? 1 : max_tiles) : max_splits);
-  auto cost = [&](int s) { return double(CeilDiv(base_blocks * s, slots)) / s; };
+  auto cost = [&](int s) {
+    return double(CeilDiv(base_blocks * s, slots)) * double(CeilDiv(max_tiles, s) + kFixedTiles);
+  };
   double best = cost(1);
   for (int s = 2; s <= most; ++s) best = cost(s) < best ? cost(s) : best;
   for (int s = 1; s <= most; ++s) {
