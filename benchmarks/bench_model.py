@@ -531,11 +531,10 @@ def _stored_records_not_rerun(bench, family: str) -> list:
   fresh = {(r.op, r.case, r.pass_, r.implementation) for r in bench.records}
   keep = [record.Record.from_json(r) for r in entry.get("records", [])
           if (r["op"], r["case"], r["pass"], r["implementation"]) not in fresh]
-  # The family is written with this run's commit: a kept record names its own.
-  mark = f"measured at {entry.get('commit')}"
+  # The family is written with this run's commit: a kept record names the run that
+  # measured it, as harness.merge_family tags the ops a partial run leaves out.
   for r in keep:
-    if "measured at " not in (r.notes or ""):
-      r.notes = f"{r.notes}; {mark}" if r.notes else mark
+    r.measured = r.measured or {"commit": entry.get("commit"), "date": entry.get("date")}
   if keep:
     print(f"# {family}: keeping {len(keep)} stored records not measured again "
           f"(measured at {entry.get('commit')})", flush=True)

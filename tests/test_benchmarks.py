@@ -145,3 +145,18 @@ def test_interrupted_run_writes_what_it_measured(tmp_path):
   assert entry["interrupted"] is True
   assert [r["case"] for r in entry["records"]] == ["8x8"]
   assert "cut short at a time limit" in (tmp_path / "RESULTS.md").read_text()
+
+
+def test_kept_records_of_an_op_measured_again_in_part_name_their_run(tmp_path):
+  """bench_model keeps the records a run did not measure again (by op, case and
+  implementation) with the run that measured them: the tag survives Record's round trip,
+  and RESULTS.md names the implementations whose rows are older."""
+  old = Record.from_json({**_record("cuda-int8", "decode", 7.0, op="decode m"),
+                          "measured": {"commit": "1111111", "date": "2026-11-27T00:00:00"}})
+  assert old.to_json()["measured"]["commit"] == "1111111"
+  fresh = _record("cuda", "decode", 5.0, op="decode m")
+  results.merge_family(tmp_path / "h100.json", "h100", "model_decode",
+                       _entry([old.to_json(), fresh], commit="2222222"))
+  text = results.render_results_md(tmp_path)
+  assert ("The `decode m` rows of cuda-int8 are from an earlier run: commit `1111111`, "
+          "2026-11-27.") in text

@@ -44,10 +44,14 @@ class Record:
   target: str | None = None  # the target for this figure, when it has one
   target_met: bool | None = None
   notes: str | None = None  # figures a family adds (tokens/s, MFU, peak memory, a roofline)
+  # A record kept from an earlier run of its family: that run's {"commit", "date"}.
+  measured: dict[str, Any] | None = None
 
   def to_json(self) -> dict[str, Any]:
     d = dataclasses.asdict(self)
     d["pass"] = d.pop("pass_")
+    if d["measured"] is None:  # a figure of this run
+      del d["measured"]
     return d
 
   @classmethod

@@ -102,11 +102,17 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
                  f"({e.get('ceiling_source', '?')}); copy measured in this run "
                  f"{_md_num(e.get('copy_gbs'), '.0f') or '?'} GB/s; dispatch floor "
                  f"{_md_num(e.get('dispatch_floor_us'), '.1f') or '?'} us.")
-      earlier = sorted({(r["op"], r["measured"].get("commit") or "unknown",
-                         (r["measured"].get("date") or "?")[:10])
-                        for r in e.get("records", []) if r.get("measured")})
-      for op, commit, date in earlier:
-        head += f"  The `{op}` rows are from an earlier run: commit `{commit}`, {date}."
+      earlier: dict[tuple[str, str, str], set[str]] = {}
+      for r in e.get("records", []):
+        if r.get("measured"):
+          key = (r["op"], r["measured"].get("commit") or "unknown",
+                 (r["measured"].get("date") or "?")[:10])
+          earlier.setdefault(key, set()).add(r["implementation"])
+      for (op, commit, date), impls in sorted(earlier.items()):
+        fresh = {r["implementation"] for r in e.get("records", [])
+                 if r["op"] == op and not r.get("measured")}
+        which = f" of {', '.join(sorted(impls))}" if fresh else ""
+        head += f"  The `{op}` rows{which} are from an earlier run: commit `{commit}`, {date}."
       lines.append(head)
       lines.append("")
       recs = [Record.from_json(r) for r in e.get("records", [])]
