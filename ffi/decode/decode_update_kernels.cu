@@ -19,9 +19,8 @@ constexpr int kMaxHeadDim = 256;
 constexpr int kPerLane = kMaxHeadDim / 32;
 
 // The pool slot (group x P + page) x S + slot of new token `token` ((group x B + row) x Tn
-// + t), or -1 when its position or its page entry is out of range (the token is skipped).
-// The pool slot of new token `token` (< 2^31, the grid), or -1 where its position or page
-// is out of range. 32-bit divisions: positions are int32 and the table's dimensions are
+// + t, below 2^31: the grid), or -1 when its position or its page entry is out of range
+// (the token is skipped). 32-bit divisions: positions are int32 and the table's dimensions
 // below 2^31, and a 64-bit division is a ~70-instruction routine on the path of a kernel
 // that copies a few KB.
 template <typename Params>
