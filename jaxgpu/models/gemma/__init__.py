@@ -1,7 +1,9 @@
 """Gemma 2 and Gemma 3 (text) built from jaxgpu's ops.
 
-The same code runs jaxgpu's kernels (implementation=None) and the pure-JAX path a careful
-JAX user would write ('xla'). Parameters are a plain dict pytree (params.py).
+The same code runs jaxgpu's kernels (implementation=None; a step of at most
+layers.XLA_FUSES_UP_TO_TOKENS tokens leaves its norms, RoPE and gated unit to XLA's
+fusions) and the pure-JAX path a careful JAX user would write ('xla'). Parameters are a
+plain dict pytree (params.py).
 
   config.py    Config: hyperparameters; presets gemma2_2b, gemma3_1b, gemma3_4b, tiny
   params.py    init_params, param_shapes, check_params

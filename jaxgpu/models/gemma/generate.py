@@ -500,7 +500,8 @@ def generate(params, config: Config, prompts, max_new_tokens: int, *, temperatur
       tokens.
     end_token: the token that ends a row (included in its output); default
       config.eos_token_id. A value outside the vocabulary (e.g. -1) never stops a row.
-    implementation: None (jaxgpu's kernels) or 'xla'.
+    implementation: None (jaxgpu's kernels; a decode step's norms, RoPE and gated unit
+      are XLA fusions: layers.pointwise_implementation) or 'xla'.
     cache: the KV cache's layout, 'paged' or 'contiguous' (module docstring); None: paged
       with jaxgpu's kernels, contiguous on the 'xla' path (resolve_cache). Both give the
       same tokens.

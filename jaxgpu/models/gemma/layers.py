@@ -1,7 +1,8 @@
 """The pieces of a Gemma decoder layer, written once for both implementations.
 
 Every jaxgpu op is called with the caller's `implementation` (None: jaxgpu's kernels;
-'xla': jaxgpu's pure-JAX references, which XLA fuses). Attention is the one place where the
+'xla': jaxgpu's pure-JAX references, which XLA fuses), but for a small step's pointwise ops
+under the default (pointwise_implementation). Attention is the one place where the
 'xla' path is not jaxgpu's reference: there it is what a careful JAX user writes without
 jaxgpu (`xla_attention`).
 

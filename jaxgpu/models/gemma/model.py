@@ -147,8 +147,10 @@ def forward(params, config: Config, tokens, *, positions=None, segment_ids=None,
       sequences pass each segment's own positions (restarting at 0).
     segment_ids: (B, T) int32 or None: a token attends only to earlier tokens of its own
       segment (packed sequences); by convention 0 marks padding.
-    implementation: None (jaxgpu's kernels) or 'xla' (jaxgpu's pure-JAX references, and
-      `layers.xla_attention` for attention); 'cpu' / 'cuda' force one kernel platform.
+    implementation: None (jaxgpu's kernels; at most layers.XLA_FUSES_UP_TO_TOKENS tokens,
+      the pointwise ops are left to XLA) or 'xla' (jaxgpu's pure-JAX references, and
+      `layers.xla_attention` for attention); 'cpu' / 'cuda' force every kernel of one
+      platform.
     mesh: a Mesh with axes ("data", "model") to constrain activations for data / tensor
       parallelism (sharding.py); None for none.
     remat: recompute each layer's activations in the backward pass (jax.checkpoint).
