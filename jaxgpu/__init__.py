@@ -19,7 +19,8 @@ from jaxgpu._implementation import (  # noqa: E402
 from jaxgpu.ops.activation import geglu, gelu, relu, sigmoid, silu, swiglu  # noqa: E402
 from jaxgpu.ops.attention import dot_product_attention  # noqa: E402
 from jaxgpu.ops.cross_entropy import cross_entropy  # noqa: E402
-from jaxgpu.ops.decode import paged_attention, paged_kv_update  # noqa: E402
+from jaxgpu.ops.decode import (  # noqa: E402
+    paged_attention, paged_attention_with_update, paged_kv_update)
 from jaxgpu.ops.linear_cross_entropy import linear_cross_entropy  # noqa: E402
 from jaxgpu.ops.matmul import linear  # noqa: E402
 from jaxgpu.ops.norm import layer_norm, rms_norm  # noqa: E402
@@ -48,6 +49,7 @@ __all__ = [
     "linear",
     "linear_cross_entropy",
     "paged_attention",
+    "paged_attention_with_update",
     "paged_kv_update",
     "quantize_kv",
     "quantize_weight",

@@ -170,7 +170,7 @@ def test_decoding_updates_the_donated_pools_in_place(version):
                             jax.random.key(0), -1, max_new_tokens=4, implementation=KERNEL)
   for lowered in (step, loop):
     hlo = lowered.compile().as_text()
-    assert "jaxgpu_paged_kv_update_fwd" in hlo and "input_output_alias" in hlo
+    assert "jaxgpu_paged_attention_with_update_fwd" in hlo and "input_output_alias" in hlo
     assert _pool_copies(hlo, shapes) == []
 
 
@@ -233,8 +233,7 @@ def test_the_default_leaves_a_small_steps_pointwise_ops_to_xla(monkeypatch):
                                             implementation=implementation))
 
   default, explicit = step_targets(None), step_targets("cuda" if U.HAS_CUDA else "cpu")
-  for name in ("paged_kv_update", "paged_attention"):
-    assert any(name in t for t in default), (name, default)
+  assert any("paged_attention_with_update" in t for t in default), default
   for name in POINTWISE:
     assert not any(name in t for t in default), (name, default)
     assert any(name in t for t in explicit), (name, explicit)

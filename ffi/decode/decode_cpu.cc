@@ -119,7 +119,8 @@ void PagedKvUpdate(const PagedKvUpdateParams& p) {
     for (int64_t b = 0; b < p.batch; ++b) {
       const int64_t r = g * p.batch + b;
       for (int64_t t = 0; t < p.new_len; ++t) {
-        const int64_t pos = p.positions[r * p.new_len + t];
+        const int64_t pos = p.positions != nullptr ? int64_t(p.positions[r * p.new_len + t])
+                                                   : int64_t(p.lengths[r]) - p.new_len + t;
         if (pos < 0 || pos >= cap) continue;
         const int64_t page = p.block_table[r * p.max_pages + pos / S];
         if (page < 0 || page >= p.num_pages) continue;

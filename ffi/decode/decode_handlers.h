@@ -13,6 +13,13 @@
 //     args  query, k_pages, v_pages (Gp, P, S, K, H) s8|f8e4m3fn (one dtype),
 //           k_scale, v_scale (Gp, P, S, K) f32, block_table, lengths
 //     rets, attrs as jaxgpu_paged_attention_fwd
+//   jaxgpu_paged_attention_with_update_fwd: paged_kv_update of the query tokens' K/V (at
+//           positions lengths - Tq + t), then paged_attention, in one call
+//     args  query, k_pages, v_pages (G, P, S, K, H) in query's dtype (rank 4 when G = 1),
+//           k_new, v_new (G, B, Tq, K, H) same dtype, block_table, lengths
+//     rets  out, workspace as jaxgpu_paged_attention_fwd, then k_pages, v_pages aliased to
+//           the second and third arguments
+//     attrs as jaxgpu_paged_attention_fwd
 //   jaxgpu_paged_kv_update_fwd
 //     args  k_pages, v_pages (G, P, S, K, H) f32|bf16|f16, k_new, v_new (G, B, Tn, K, H)
 //           same dtype, block_table (G, B, M) s32, positions (G, B, Tn) s32
@@ -29,6 +36,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <utility>
 
 #include "common/ffi_checks.h"
 #include "decode/decode_params.h"
@@ -57,6 +65,23 @@ namespace jaxgpu {
                                   .Arg<::xla::ffi::AnyBuffer>() /* v_pages */ \
                                   .Arg<::xla::ffi::AnyBuffer>() /* k_scale */ \
                                   .Arg<::xla::ffi::AnyBuffer>() /* v_scale */)
+
+#define JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(BIND)      \
+  BIND.Arg<::xla::ffi::AnyBuffer>()    /* q */                     \
+      .Arg<::xla::ffi::AnyBuffer>()    /* k_pages */               \
+      .Arg<::xla::ffi::AnyBuffer>()    /* v_pages */               \
+      .Arg<::xla::ffi::AnyBuffer>()    /* k_new */                 \
+      .Arg<::xla::ffi::AnyBuffer>()    /* v_new */                 \
+      .Arg<::xla::ffi::AnyBuffer>()    /* block_table */           \
+      .Arg<::xla::ffi::AnyBuffer>()    /* lengths */               \
+      .Ret<::xla::ffi::AnyBuffer>()    /* out */                   \
+      .Ret<::xla::ffi::AnyBuffer>()    /* workspace */             \
+      .Ret<::xla::ffi::AnyBuffer>()    /* k_pages */               \
+      .Ret<::xla::ffi::AnyBuffer>()    /* v_pages */               \
+      .Attr<float>("scale")            /* scale */                 \
+      .Attr<float>("softcap")          /* softcap */               \
+      .Attr<int32_t>("window_left")    /* window_left */           \
+      .Attr<int32_t>("num_splits")     /* num_splits */
 
 #define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
   BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
@@ -325,6 +350,61 @@ inline ffi::Error MakePagedKvUpdateParams(
   p->v_new = v_new.untyped_data();
   p->block_table = static_cast<const int32_t*>(block_table.untyped_data());
   p->positions = static_cast<const int32_t*>(positions.untyped_data());
+  return ffi::Error::Success();
+}
+
+// paged_attention_with_update: the attention's params (reading the caches' result buffers,
+// which the update writes first) and the update's (positions null: the query tokens, at
+// lengths - Tq + t). A 16-bit or float32 cache: the 8-bit one takes the two separate calls.
+inline ffi::Error MakePagedAttentionWithUpdateParams(
+    ffi::AnyBuffer query, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
+    ffi::AnyBuffer v_new, ffi::AnyBuffer block_table, ffi::AnyBuffer lengths,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
+    float softcap, int32_t window_left, int32_t num_splits, PagedAttentionParams* att,
+    PagedKvUpdateParams* upd) {
+  using namespace decode_detail;
+  JAXGPU_RETURN_IF_ERROR(MakePagedAttentionParams(query, k_pages, v_pages, nullptr, nullptr,
+                                                  block_table, lengths, out, workspace, scale,
+                                                  softcap, window_left, num_splits, att));
+  if (att->page_groups != att->groups) {
+    return ffi::Error::InvalidArgument(
+        "k_pages: the group dim must be the query's (each group writes its own pool)");
+  }
+  const PagedAttentionParams& a = *att;
+  for (auto [buf, name] : {std::pair{&k_new, "k_new"}, std::pair{&v_new, "v_new"}}) {
+    JAXGPU_RETURN_IF_ERROR(Rank(*buf, 5, name, "(G, B, Tq, K, H)"));
+    JAXGPU_RETURN_IF_ERROR(
+        CheckDims(*buf, {a.groups, a.batch, a.q_len, a.kv_heads, a.head_dim}, name));
+    JAXGPU_RETURN_IF_ERROR(CheckBuffer(*buf, query.element_type(), buf->element_count(), name));
+  }
+  JAXGPU_RETURN_IF_ERROR(SameShape(*k_out, k_pages, "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
+  *upd = PagedKvUpdateParams{};
+  upd->dtype = a.dtype;
+  upd->kv_dtype = a.kv_dtype;
+  upd->groups = a.groups;
+  upd->num_pages = a.num_pages;
+  upd->page_size = a.page_size;
+  upd->kv_heads = a.kv_heads;
+  upd->head_dim = a.head_dim;
+  upd->batch = a.batch;
+  upd->new_len = a.q_len;
+  upd->max_pages = a.max_pages;
+  upd->k_pages_in = k_pages.untyped_data();
+  upd->v_pages_in = v_pages.untyped_data();
+  upd->k_pages = k_out->untyped_data();
+  upd->v_pages = v_out->untyped_data();
+  upd->k_new = k_new.untyped_data();
+  upd->v_new = v_new.untyped_data();
+  upd->block_table = a.block_table;
+  upd->lengths = a.lengths;
+  att->k_pages = upd->k_pages;
+  att->v_pages = upd->v_pages;
   return ffi::Error::Success();
 }
 

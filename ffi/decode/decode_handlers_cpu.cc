@@ -73,6 +73,23 @@ ffi::Error PagedKvUpdateQ8FwdCpu(
   return ffi::Error::Success();
 }
 
+ffi::Error PagedAttentionWithUpdateFwdCpu(
+    ffi::AnyBuffer query, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
+    ffi::AnyBuffer v_new, ffi::AnyBuffer block_table, ffi::AnyBuffer lengths,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
+    float softcap, int32_t window_left, int32_t num_splits) {
+  PagedAttentionParams att;
+  PagedKvUpdateParams upd;
+  JAXGPU_RETURN_IF_ERROR(MakePagedAttentionWithUpdateParams(
+      query, k_pages, v_pages, k_new, v_new, block_table, lengths, out, workspace, k_out, v_out,
+      scale, softcap, window_left, num_splits, &att, &upd));
+  CopyUnaliased(upd);
+  cpu::PagedKvUpdate(upd);
+  cpu::PagedAttention(att);
+  return ffi::Error::Success();
+}
+
 }  // namespace
 }  // namespace jaxgpu
 
@@ -84,3 +101,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateFwdCpu, jaxgpu::PagedKvUpdateFw
                               JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(xla::ffi::Ffi::Bind()));
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateQ8FwdCpu, jaxgpu::PagedKvUpdateQ8FwdCpu,
                               JAXGPU_PAGED_KV_UPDATE_Q8_FWD_BINDING(xla::ffi::Ffi::Bind()));
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuPagedAttentionWithUpdateFwdCpu, jaxgpu::PagedAttentionWithUpdateFwdCpu,
+    JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(xla::ffi::Ffi::Bind()));

@@ -83,6 +83,22 @@ ffi::Error PagedKvUpdateQ8FwdCuda(
   return CudaStatus(cuda::LaunchPagedKvUpdate(p, stream), "paged_kv_update (8-bit) launch");
 }
 
+ffi::Error PagedAttentionWithUpdateFwdCuda(
+    cudaStream_t stream, ffi::AnyBuffer query, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages,
+    ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::AnyBuffer block_table, ffi::AnyBuffer lengths,
+    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
+    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
+    float softcap, int32_t window_left, int32_t num_splits) {
+  PagedAttentionParams att;
+  PagedKvUpdateParams upd;
+  JAXGPU_RETURN_IF_ERROR(MakePagedAttentionWithUpdateParams(
+      query, k_pages, v_pages, k_new, v_new, block_table, lengths, out, workspace, k_out, v_out,
+      scale, softcap, window_left, num_splits, &att, &upd));
+  JAXGPU_RETURN_IF_ERROR(CopyUnaliased(upd, stream));
+  return CudaStatus(cuda::LaunchPagedAttentionWithUpdate(att, upd, stream),
+                    "paged_attention_with_update launch");
+}
+
 }  // namespace
 }  // namespace jaxgpu
 
@@ -101,4 +117,9 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateFwdCuda, jaxgpu::PagedKvUpdateF
                               {xffi::Traits::kCmdBufferCompatible});
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateQ8FwdCuda, jaxgpu::PagedKvUpdateQ8FwdCuda,
                               JAXGPU_PAGED_KV_UPDATE_Q8_FWD_BINDING(JAXGPU_DECODE_CUDA_BIND()),
+                              {xffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedAttentionWithUpdateFwdCuda,
+                              jaxgpu::PagedAttentionWithUpdateFwdCuda,
+                              JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(
+                                  JAXGPU_DECODE_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});

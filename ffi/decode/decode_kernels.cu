@@ -428,4 +428,18 @@ cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t str
   });
 }
 
+cudaError_t LaunchPagedAttentionWithUpdate(PagedAttentionParams att,
+                                           const PagedKvUpdateParams& upd, cudaStream_t stream) {
+  if (att.heads > 0 && att.kv_dtype == att.dtype && decode::TensorCoreKernelTakes(att)) {
+    att.k_new = upd.k_new;
+    att.v_new = upd.v_new;
+    att.k_pages_out = upd.k_pages;
+    att.v_pages_out = upd.v_pages;
+    return LaunchPagedAttention(att, stream);
+  }
+  const cudaError_t err = LaunchPagedKvUpdate(upd, stream);
+  if (err != cudaSuccess) return err;
+  return LaunchPagedAttention(att, stream);
+}
+
 }  // namespace jaxgpu::cuda

@@ -67,6 +67,16 @@ struct PagedAttentionParams {
   // (then empty) and by the CPU implementation.
   float* workspace;
   int32_t num_splits;
+  // paged_attention_with_update over a 16-bit cache, on the tensor-core kernel: the new
+  // tokens' K and V (G, B, Tq, K, H) in the cache's dtype. The split kernel writes them to
+  // their slots through k_pages_out / v_pages_out (the same buffers as k_pages / v_pages,
+  // at positions lengths - Tq + t by the update's rules), and the blocks whose keys include
+  // them read them from here rather than from the pages, so no block waits for another's
+  // write. Null otherwise.
+  const void* k_new;
+  const void* v_new;
+  void* k_pages_out;
+  void* v_pages_out;
   float scale;          // > 0
   float softcap;        // 0: none
   int32_t window_left;  // -1: none
@@ -103,7 +113,10 @@ struct PagedKvUpdateParams {
   const void* k_new;
   const void* v_new;
   const int32_t* block_table;
+  // Null for paged_attention_with_update: token t of row r is then at position
+  // lengths[r] - Tn + t (the query tokens of the attention that follows).
   const int32_t* positions;
+  const int32_t* lengths;  // (G, B), read only when positions is null
   // 8-bit cache: the scales (G, P, S, K) before the write and the outputs (aliased, as the
   // pages are); null otherwise.
   const float* k_scale_in;

@@ -7,6 +7,7 @@
 #define JAXGPU_DECODE_TARGETS(X)                                \
   X("jaxgpu_paged_attention_fwd", JaxgpuPagedAttentionFwd)      \
   X("jaxgpu_paged_attention_q8_fwd", JaxgpuPagedAttentionQ8Fwd) \
+  X("jaxgpu_paged_attention_with_update_fwd", JaxgpuPagedAttentionWithUpdateFwd) \
   X("jaxgpu_paged_kv_update_fwd", JaxgpuPagedKvUpdateFwd)       \
   X("jaxgpu_paged_kv_update_q8_fwd", JaxgpuPagedKvUpdateQ8Fwd)
 

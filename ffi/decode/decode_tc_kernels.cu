@@ -191,6 +191,37 @@ __device__ __forceinline__ uint32_t Prepare8(uint32_t word) {
   return word;
 }
 
+// paged_attention_with_update: row r's Tq new tokens of kv head kvh written to their slots
+// (positions len - Tq + t; a position outside [0, M x S) or on a page entry outside [0, P)
+// is skipped, as paged_kv_update skips it), in 16-byte vectors by the block's threads. One
+// block per (row, kv head) writes (split 0, row tile 0); no block reads these slots, as the
+// readers of a new token take it from k_new / v_new.
+template <typename KV>
+__device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, int64_t r,
+                                                int64_t kvh, int64_t pool_base, int64_t len,
+                                                int threads) {
+  const int vecs = int(p.head_dim) * int(sizeof(KV)) / 16;  // H is a multiple of 8
+  const int64_t cap = p.max_pages * p.page_size;
+  const int64_t token_stride = p.kv_heads * p.head_dim;
+  for (int i = threadIdx.x; i < 2 * int(p.q_len) * vecs; i += threads) {
+    const int t = i / (2 * vecs), rest = i % (2 * vecs);
+    const bool is_v = rest >= vecs;
+    const int vec = is_v ? rest - vecs : rest;
+    const int64_t pos = len - p.q_len + t;
+    if (pos < 0 || pos >= cap) continue;
+    const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);
+    const int32_t page = p.block_table[r * p.max_pages + column];
+    if (page < 0 || page >= p.num_pages) continue;
+    const int64_t slot = (pool_base + page) * p.page_size +
+                         (uint32_t(pos) - column * uint32_t(p.page_size));
+    const int64_t src = ((r * p.q_len + t) * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
+    const int64_t dst = (slot * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
+    const char* from = static_cast<const char*>(is_v ? p.v_new : p.k_new) + src;
+    char* to = static_cast<char*>(is_v ? p.v_pages_out : p.k_pages_out) + dst;
+    reinterpret_cast<uint4*>(to)[vec] = reinterpret_cast<const uint4*>(from)[vec];
+  }
+}
+
 template <typename T, typename KV, int kHD, int kMT, int kSplitH>
 __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, kSplitH>))
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles) {
@@ -255,6 +286,13 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   const KV* v_pool = static_cast<const KV*>(p.v_pages) + pool_base * page_stride + kvh * H;
   const int32_t* table = p.block_table + r * p.max_pages;
 
+  // paged_attention_with_update (16-bit caches only): keys from new_first on are this
+  // row's new tokens, read from k_new / v_new (G, B, Tq, K, H) instead of their slots,
+  // which a block of another split may be writing (AppendNewTokens).
+  const bool fused = !kIs8Bit<KV> && p.k_new != nullptr;
+  const int64_t new_first = len - p.q_len;
+  const int64_t new_base = (r * p.q_len - new_first) * token_stride + kvh * H;
+
   auto ring_k = [&](int stage) { return smem + L::kRing + stage * L::kStageBytes; };
   auto ring_v = [&](int stage) { return smem + L::kRing + stage * L::kStageBytes + L::kRawTile; };
 
@@ -285,6 +323,13 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       const int64_t at = ok ? int64_t(page) * page_stride + int64_t(slot) * token_stride : 0;
       const bool copy = ok && chunk * kValues < H;
       const int64_t src = at + (copy ? chunk * kValues : 0);
+      const KV* k_src = k_pool + src;
+      const KV* v_src = v_pool + src;
+      if (fused && copy && pos >= new_first) {
+        const int64_t at_new = new_base + int64_t(pos) * token_stride + chunk * kValues;
+        k_src = static_cast<const KV*>(p.k_new) + at_new;
+        v_src = static_cast<const KV*>(p.v_new) + at_new;
+      }
       uint32_t kd, vd;
       if constexpr (kIs8Bit<KV>) {
         kd = att::SmemAddress(k_dst + key * kHD + SwizzleK<kSlice>(key, chunk) * 16);
@@ -296,10 +341,10 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       }
       if (!halves) {
         const int bytes = copy ? 16 : 0;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(k_pool + src),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(kd), "l"(k_src),
                      "r"(bytes)
                      : "memory");
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(v_pool + src),
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(vd), "l"(v_src),
                      "r"(bytes)
                      : "memory");
       } else {
@@ -395,6 +440,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   for (int it = 0; it < kStages - 1; ++it) {
     if (it < num_tiles) load_tile(it);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+  }
+  if (fused && split == 0 && tile == 0) {
+    AppendNewTokens<KV>(p, r, kvh, pool_base, len, kBlockThreads);
   }
 
   // This thread's rows of the C fragments: g and g + 8 of each m-tile, at positions

@@ -45,7 +45,10 @@ PAGED_ATTENTION = Op("paged_attention", {"fwd": "jaxgpu_paged_attention_fwd",
 PAGED_KV_UPDATE = Op("paged_kv_update", {"fwd": "jaxgpu_paged_kv_update_fwd",
                                          "fwd_q8": "jaxgpu_paged_kv_update_q8_fwd"},
                      differentiable=False)
-FAMILY = Family("decode", (PAGED_ATTENTION, PAGED_KV_UPDATE))
+PAGED_ATTENTION_WITH_UPDATE = Op("paged_attention_with_update",
+                                 {"fwd": "jaxgpu_paged_attention_with_update_fwd"},
+                                 differentiable=False)
+FAMILY = Family("decode", (PAGED_ATTENTION, PAGED_KV_UPDATE, PAGED_ATTENTION_WITH_UPDATE))
 
 MAX_Q_LEN = 16      # new tokens per row and call (decode, speculative decoding, small chunks)
 MAX_HEAD_DIM = 256
@@ -92,6 +95,14 @@ _UPDATE_Q8_LAYOUT = Layout(
     inputs=(_CACHE, _CACHE, _CACHE_SCALES, _CACHE_SCALES, _NEW, _NEW, _TABLE, _POSITIONS),
     outputs=(_CACHE, _CACHE, _CACHE_SCALES, _CACHE_SCALES),
     replicated=frozenset({"p", "s", "m", "b", "t", "h"}), aliases={0: 0, 1: 1, 2: 2, 3: 3})
+
+# The update and the attention in one call: the caches written as by the update (any row may
+# write any page of the pool, so rows and tokens are needed whole), the query as by the
+# attention; kv heads (with their query heads) shard with no collective.
+_WITH_UPDATE_LAYOUT = Layout(inputs=(_Q, _CACHE, _CACHE, _NEW, _NEW, _TABLE, _LENGTHS),
+                             outputs=(_Q, _CACHE, _CACHE),
+                             replicated=frozenset({"p", "s", "m", "b", "t", "h"}),
+                             blocked=frozenset({"k"}), aliases={1: 1, 2: 2})
 
 
 def num_splits(rows: int, max_pages: int) -> int:
@@ -180,6 +191,29 @@ def _update_call(implementation, k_pages, v_pages, k_scale, v_scale, k_new, v_ne
                       v_new, block_table, positions)
 
 
+def _with_update_call(cfg: _AttentionConfig, query, k_pages, v_pages, k_new, v_new,
+                      block_table, lengths):
+  """Grouped arrays in (a 16-bit or float32 cache); the grouped (out, k_pages, v_pages)."""
+
+  def local_fn(q, kp, vp, kn, vn, table, lens):
+    g, b, tq, n, h = q.shape
+    splits, work = workspace_size(g, b, kp.shape[3], tq, n, h, table.shape[2])
+    shape = kp.shape
+    if g == 1:
+      # As in _update_call: the pool without its unit group dim, so that XLA aliases the
+      # donated buffer itself to the result instead of copying around a bitcast.
+      kp, vp = kp.reshape(shape[1:]), vp.reshape(shape[1:])
+    outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((work,), jnp.float32),
+            jax.ShapeDtypeStruct(kp.shape, kp.dtype), jax.ShapeDtypeStruct(vp.shape, vp.dtype))
+    target = PAGED_ATTENTION_WITH_UPDATE.target("fwd", cfg.implementation)
+    out, _, kp, vp = jax.ffi.ffi_call(target, outs, input_output_aliases={1: 2, 2: 3})(
+        q, kp, vp, kn, vn, table, lens, **cfg.attrs(splits))
+    return out, kp.reshape(shape), vp.reshape(shape)
+
+  return grouped_call(local_fn, _WITH_UPDATE_LAYOUT, query, k_pages, v_pages, k_new, v_new,
+                      block_table, lengths)
+
+
 def _grouped(x):
   """x with a group axis of 1 (None stays None)."""
   return None if x is None else x[None]
@@ -226,6 +260,30 @@ def _paged_kv_update(implementation, k_pages, v_pages, k_scale, v_scale, k_new, 
 
 
 _paged_kv_update.defvjp(*_refuse_grad("paged_kv_update"))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _paged_attention_with_update(cfg: _AttentionConfig, query, k_pages, v_pages, k_scale,
+                                 v_scale, k_new, v_new, block_table, lengths):
+  if cfg.implementation == "xla":
+    return reference.paged_attention_with_update(
+        query, k_pages, v_pages, k_new, v_new, block_table, lengths, scale=cfg.scale,
+        logit_softcap=cfg.softcap, local_window_size=cfg.window, k_scale=k_scale,
+        v_scale=v_scale)
+  if k_scale is not None:
+    # An 8-bit cache: the update quantizes each new row (a max over H first), which the
+    # attention's copies cannot do on the fly; the two kernels, one after the other.
+    positions = reference.query_positions(lengths, query.shape[1])
+    caches = _paged_kv_update(cfg.implementation, k_pages, v_pages, k_scale, v_scale, k_new,
+                              v_new, block_table, positions)
+    out = _paged_attention(cfg, query, *caches, block_table, lengths)
+    return (out,) + tuple(caches)
+  out = _with_update_call(cfg, *map(_grouped, (query, k_pages, v_pages, k_new, v_new,
+                                               block_table, lengths)))
+  return tuple(x[0] for x in out)
+
+
+_paged_attention_with_update.defvjp(*_refuse_grad("paged_attention_with_update"))
 
 
 # ---- argument checks -----------------------------------------------------------------------
@@ -380,6 +438,19 @@ def _check_attention(op, query, k_pages, v_pages, k_scale, v_scale, block_table,
   return query, k_pages, v_pages, k_scale, v_scale, block_table, lengths, scale, softcap, window
 
 
+def _check_new_tokens(op, k_new, v_new, query, k_pages):
+  """k_new, v_new: the query tokens' keys and values (B, Tq, K, H) in the query's dtype."""
+  b, tq = query.shape[:2]
+  kv, h = k_pages.shape[2:]
+  checked = []
+  for name, x in (("k_new", k_new), ("v_new", v_new)):
+    x = _checks.float_array(op, name, x)
+    _checks.shape_is(op, name, x, (b, tq, kv, h), "(B, Tq) of the query and the pages' (K, H)")
+    _checks.same_dtype(op, name, x, "query", query)
+    checked.append(x)
+  return tuple(checked)
+
+
 def _check_update(op, k_pages, v_pages, k_new, v_new, block_table, positions, k_scale, v_scale):
   k_pages, v_pages, k_scale, v_scale = _check_pages(op, k_pages, v_pages, k_scale, v_scale,
                                                     None, None)
@@ -520,3 +591,49 @@ def paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, *, k
     impl = "xla"  # nothing to write
   return _paged_kv_update(impl, k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table,
                           positions)
+
+
+def paged_attention_with_update(query, k_pages, v_pages, k_new, v_new, block_table, lengths, *,
+                                scale=None, logit_softcap=None, local_window_size=None,
+                                k_scale=None, v_scale=None, implementation=None):
+  """paged_kv_update of the new tokens' keys and values, then paged_attention of their
+  queries over the updated cache, in one call (a decode step's attention).
+
+  Args:
+    query, k_pages, v_pages, block_table, lengths, scale, logit_softcap, local_window_size,
+      k_scale, v_scale, implementation: as for paged_attention. lengths counts the new
+      tokens, which sit at positions lengths - Tq .. lengths - 1.
+    k_new, v_new: (B, Tq, K, H) in the query's dtype: the new tokens' keys and values,
+      written at those positions (paged_kv_update's rules: a position outside
+      [0, max_pages * page_size) or on a table entry outside [0, P) is skipped).
+
+  Returns:
+    (out, k_pages, v_pages), or (out, k_pages, v_pages, k_scale, v_scale) for an 8-bit
+    cache: paged_attention's output and paged_kv_update's caches, equal to the two calls
+    one after the other, except that a slot written by one row and read as an older key by
+    another in the same call (two rows sharing the page being written) may read either
+    value.
+
+  Why one call: on a GPU with a 16-bit cache, the attention kernel writes the new tokens
+  itself and reads them from k_new / v_new rather than from their slots, so a decode step
+  launches one kernel a layer instead of two (the cache write took ~2.5 us of its own).
+  A float32 query runs the update kernel, then the attention, in the same call; an 8-bit
+  cache runs the two ops (the quantization needs a whole row's maximum first). The caches
+  are aliased to the outputs as in paged_kv_update: donated under jit, no copy is made.
+  Works under jit and vmap; kv heads shard with no collective (rows and the pool are
+  needed whole, as for the update). Not differentiable: jax.grad raises ValueError.
+
+  Equivalent pure JAX: jaxgpu.reference.decode.paged_attention_with_update.
+  """
+  op = "paged_attention_with_update"
+  (query, k_pages, v_pages, k_scale, v_scale, block_table, lengths, scale, softcap,
+   window) = _check_attention(op, query, k_pages, v_pages, k_scale, v_scale, block_table,
+                              lengths, scale, logit_softcap, local_window_size)
+  k_new, v_new = _check_new_tokens(op, k_new, v_new, query, k_pages)
+  impl = _implementation.resolve(implementation)
+  if (impl != "xla" and (query.size == 0 or k_pages.size == 0
+                         or block_table.shape[1] == 0)):
+    impl = "xla"  # nothing to write or read
+  cfg = _AttentionConfig(impl, scale, softcap, window)
+  return _paged_attention_with_update(cfg, query, k_pages, v_pages, k_scale, v_scale, k_new,
+                                      v_new, block_table, lengths)

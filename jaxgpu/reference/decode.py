@@ -194,3 +194,27 @@ def paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions, *, k
   kq, ks = quantize_kv(k_new, k_pages.dtype)
   vq, vs = quantize_kv(v_new, v_pages.dtype)
   return write(k_pages, kq), write(v_pages, vq), write(caches[2], ks), write(caches[3], vs)
+
+
+def query_positions(lengths, q_len: int):
+  """(B, Tq) int32: the positions lengths - Tq + t of the query tokens (negative ones, of a
+  row shorter than Tq, are skipped by the update and see nothing)."""
+  return (jnp.asarray(lengths, jnp.int32)[:, None] - q_len
+          + jnp.arange(q_len, dtype=jnp.int32)[None, :])
+
+
+def paged_attention_with_update(query, k_pages, v_pages, k_new, v_new, block_table, lengths,
+                                *, scale: float, logit_softcap: float | None = None,
+                                local_window_size: int | None = None, k_scale=None,
+                                v_scale=None):
+  """paged_kv_update of the query tokens' k_new / v_new (B, Tq, K, H) at their positions
+  lengths - Tq + t, then paged_attention over the updated caches: (out, k_pages, v_pages),
+  plus (k_scale, v_scale) for an 8-bit cache."""
+  positions = query_positions(lengths, jnp.shape(query)[1])
+  caches = paged_kv_update(k_pages, v_pages, k_new, v_new, block_table, positions,
+                           k_scale=k_scale, v_scale=v_scale)
+  scales = dict(k_scale=caches[2], v_scale=caches[3]) if k_scale is not None else {}
+  out = paged_attention(query, caches[0], caches[1], block_table, lengths, scale=scale,
+                        logit_softcap=logit_softcap, local_window_size=local_window_size,
+                        **scales)
+  return (out,) + tuple(caches)

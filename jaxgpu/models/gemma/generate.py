@@ -6,9 +6,9 @@ Two layouts of the KV cache (`cache=` of generate, prefill and empty_cache):
 {"k", "v"} of shape (P, page_size, K, H) in the parameters' dtype, and each row names its
 pages in a block table (B, M) int32, M = ceil(cache_len / page_size): position p of row b
 is slot p % page_size of page table[b, p // page_size]. Decode steps write the new token's
-K/V with jaxgpu.paged_kv_update (in place: the cache is donated) and attend with
-jaxgpu.paged_attention over lengths = position + 1, which reads only the pages a row uses
-(no gathered copy, no mask over the whole cache). The pools are laid out by layer kind:
+K/V and attend over lengths = position + 1 in one jaxgpu.paged_attention_with_update call
+(in place: the cache is donated), which reads only the pages a row uses (no gathered copy,
+no mask over the whole cache). The pools are laid out by layer kind:
   * global layers share one table, `block_table`: row b owns pages b*M .. b*M + M - 1 of
     every global layer's pool (P = B*M; one table serves all of them, as each layer's
     pool is its own array);
@@ -379,11 +379,10 @@ def _paged_attend(config: Config, cache: PagedCache, i: int, positions, implemen
 
   def attend(q, k, v):
     pool = cache.pages[i]
-    kp, vp = jaxgpu.paged_kv_update(pool["k"], pool["v"], k, v, table, positions[:, None],
-                                    implementation=implementation)
+    o, kp, vp = layers.paged_attention_with_update(q, k, v, pool["k"], pool["v"], table,
+                                                   positions + 1, config=config, layer=i,
+                                                   implementation=implementation)
     kp, vp = (sharding.constrain(x, mesh, *spec) for x in (kp, vp))
-    o = layers.paged_attention(q, kp, vp, table, positions + 1, config=config, layer=i,
-                               implementation=implementation)
     return o, {"k": kp, "v": vp}
   return attend
 

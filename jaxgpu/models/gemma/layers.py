@@ -139,14 +139,16 @@ def attention(q, k, v, *, config: Config, layer: int, implementation, is_causal:
       implementation=implementation)
 
 
-def paged_attention(q, k_pages, v_pages, block_table, lengths, *, config: Config, layer: int,
-                    implementation):
-  """Gemma attention of one decoding step over a paged KV cache (jaxgpu.paged_attention):
-  the options of `attention` for a query at position lengths - 1. The op's window keeps
-  keys p - w .. p, so the model's i - sliding_window < j <= i is w = sliding_window - 1,
-  the same pair `attention` gives jaxgpu.dot_product_attention."""
-  return jaxgpu.paged_attention(
-      q, k_pages, v_pages, block_table, lengths, scale=config.query_pre_attn_scalar ** -0.5,
+def paged_attention_with_update(q, k, v, k_pages, v_pages, block_table, lengths, *,
+                                config: Config, layer: int, implementation):
+  """Gemma attention of one decoding step over a paged KV cache, the step's own keys and
+  values k, v (B, 1, K, H) written at lengths - 1 in the same call
+  (jaxgpu.paged_attention_with_update): (o, k_pages, v_pages). The options of `attention`
+  for a query at position lengths - 1; the op's window keeps keys p - w .. p, so the
+  model's i - sliding_window < j <= i is w = sliding_window - 1, the same pair `attention`
+  gives jaxgpu.dot_product_attention."""
+  return jaxgpu.paged_attention_with_update(
+      q, k_pages, v_pages, k, v, block_table, lengths, scale=config.query_pre_attn_scalar ** -0.5,
       logit_softcap=config.attn_logit_softcap,
       local_window_size=config.sliding_window - 1 if config.is_local(layer) else None,
       implementation=implementation)
