@@ -17,8 +17,9 @@ import jaxgpu
 from jaxgpu.ops import decode as ops
 
 import oracle
-from specs.decode import (Case, jnp_paged_attention, make_attention, make_table, make_update,
-                          np_kv_update, np_paged_attention, np_quantize_kv)
+from specs.decode import (Case, jnp_paged_attention, jnp_with_update, make_attention, make_table,
+                          make_update, make_with_update, np_kv_update, np_paged_attention,
+                          np_quantize_kv, query_positions)
 
 CASES = [
     Case(jnp.bfloat16),                                           # GQA 4/2, one new token
@@ -178,6 +179,107 @@ def test_kv_update_in_place_with_donation(implementation, rng):
   assert "input_output_alias" in hlo
   line = next(ln for ln in hlo.splitlines() if "jaxgpu_paged_kv_update_fwd" in ln)
   assert "output_to_operand_aliasing" in line, line
+
+
+# ---- paged_attention_with_update ------------------------------------------------------------
+
+WITH_KEYS = ("query", "k_pages", "v_pages", "k_new", "v_new", "block_table", "lengths")
+
+
+def _np_with_update(arrays, static):
+  """float64 oracle: the update at the query positions, then the attention."""
+  a = {k: np.asarray(v) for k, v in arrays.items()}
+  positions = a["lengths"][:, None] - a["query"].shape[1] + np.arange(a["query"].shape[1])
+  kp, vp = np_kv_update(a["k_pages"], a["v_pages"], a["k_new"], a["v_new"], a["block_table"],
+                        positions)
+  y = np_paged_attention(a["query"], kp, vp, a["block_table"], a["lengths"], **static)
+  return y, kp, vp
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: c.id())
+def test_with_update_matches_oracle(case, implementation, rng):
+  """The fused write + attention against the float64 oracle of the two steps (the cases of
+  paged_attention: GQA, MQA, MHA, softcap, windows, Tq to 16, H 8 to 256, ragged rows with
+  shared prefix pages, a row of length 0, several KV splits), the caches bit for bit."""
+  inputs = make_with_update(rng, case)
+  f = jax.jit(lambda a: jaxgpu.paged_attention_with_update(**a, **inputs.static,
+                                                           implementation=implementation))
+  got = f(inputs.arrays)
+  exact, kp, vp = _np_with_update(inputs.arrays, inputs.static)
+  lowp = jnp_with_update(inputs.arrays, inputs.static, out_dtype=case.dtype)[0]
+  oracle.check(got[0], exact, lowp, what=case.id())
+  for g, w in zip(got[1:], (kp, vp)):
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                  np.asarray(w.astype(np.float32)))
+
+
+def test_with_update_equals_update_then_attention(implementation, rng):
+  """Bit for bit the two ops one after the other, with traced lengths below Tq (tokens at
+  negative positions skipped), past the capacity (nothing read, valid positions written)
+  and a new token on a page entry out of range (skipped and masked)."""
+  case = Case(jnp.bfloat16, batch=4, q_len=3, heads=8, kv_heads=2, head_dim=64,
+              shared_prefix=0)
+  arrays = dict(make_with_update(rng, case).arrays)
+  cap = case.max_pages * case.page_size
+  arrays["lengths"] = jnp.asarray([2, cap + 1, 17, cap], jnp.int32)
+  table = np.asarray(arrays["block_table"]).copy()
+  table[2, 15 // case.page_size] = -1   # position 15 of row 2 maps to no page
+  arrays["block_table"] = jnp.asarray(table)
+  got = jax.jit(lambda a: jaxgpu.paged_attention_with_update(
+      **a, implementation=implementation))(arrays)
+
+  def two_calls(a):
+    positions = query_positions(a["lengths"], case.q_len)
+    kp, vp = jaxgpu.paged_kv_update(a["k_pages"], a["v_pages"], a["k_new"], a["v_new"],
+                                    a["block_table"], positions,
+                                    implementation=implementation)
+    y = jaxgpu.paged_attention(a["query"], kp, vp, a["block_table"], a["lengths"],
+                               implementation=implementation)
+    return y, kp, vp
+
+  want = jax.jit(two_calls)(arrays)
+  for g, w in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(g.astype(jnp.float32)),
+                                  np.asarray(w.astype(jnp.float32)))
+
+
+@pytest.mark.parametrize("kv_dtype", [jnp.int8, jnp.float8_e4m3fn],
+                         ids=lambda d: jnp.dtype(d).name)
+def test_with_update_q8_equals_update_then_attention(kv_dtype, implementation, rng):
+  """An 8-bit cache: the new tokens quantized by the update's rule, then attended; the
+  scales returned with the pages."""
+  case = Case(jnp.bfloat16, batch=3, q_len=2, heads=4, kv_heads=2, head_dim=64,
+              kv_dtype=kv_dtype, window=11)
+  arrays = make_with_update(rng, case).arrays
+  got = jaxgpu.paged_attention_with_update(**arrays, local_window_size=11,
+                                           implementation=implementation)
+  positions = query_positions(arrays["lengths"], case.q_len)
+  caches = jaxgpu.paged_kv_update(arrays["k_pages"], arrays["v_pages"], arrays["k_new"],
+                                  arrays["v_new"], arrays["block_table"], positions,
+                                  k_scale=arrays["k_scale"], v_scale=arrays["v_scale"],
+                                  implementation=implementation)
+  y = jaxgpu.paged_attention(arrays["query"], caches[0], caches[1], arrays["block_table"],
+                             arrays["lengths"], k_scale=caches[2], v_scale=caches[3],
+                             local_window_size=11, implementation=implementation)
+  assert len(got) == 5
+  for g, w in zip(got, (y,) + tuple(caches)):
+    np.testing.assert_array_equal(_bits(g), _bits(w))
+
+
+def test_with_update_in_place_with_donation(implementation, rng):
+  """Donated caches: aliased to the results of the one custom call (no cache copy)."""
+  if implementation == "xla":
+    pytest.skip("the reference's scatter is XLA's business")
+  arrays = make_with_update(rng, Case(jnp.bfloat16, q_len=2)).arrays
+  rest = {k: v for k, v in arrays.items() if k not in ("k_pages", "v_pages")}
+  f = jax.jit(lambda kp, vp: jaxgpu.paged_attention_with_update(
+      k_pages=kp, v_pages=vp, **rest, implementation=implementation), donate_argnums=(0, 1))
+  hlo = f.lower(arrays["k_pages"], arrays["v_pages"]).compile().as_text()
+  line = next(ln for ln in hlo.splitlines() if "jaxgpu_paged_attention_with_update_fwd" in ln)
+  assert "output_to_operand_aliasing" in line, line
+  shape = ",".join(map(str, arrays["k_pages"].shape))
+  copies = [ln for ln in hlo.splitlines() if " copy(" in ln and f"[{shape}]" in ln]
+  assert copies == [], copies
 
 
 def test_concrete_bad_indices_raise(rng):

@@ -3,7 +3,8 @@
 // Nsight Compute can profile them (it crashed on JAX programs on the H100 machine):
 //
 //   nvcc -O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a -o /tmp/dc \
-//       tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu
+//       tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu \
+//       ffi/decode/decode_update_kernels.cu
 //   /tmp/dc                      # correctness, then the speed table
 //   /tmp/dc --case 32,8,128,8,32768,1,int8 --iters 3   # one case (e.g. under ncu)
 //   /tmp/dc --case 4,1,256,1,4096,1,bf16,8,511        # at most 8 splits, window 511
@@ -22,7 +23,8 @@
 // cudaEvent median of --iters calls; a device-to-device copy gives the copy rate the
 // bandwidth is compared with. The B = 1 cases are also timed as 64 calls replayed from
 // one CUDA graph (per call: what a decode step inside a compiled loop sees, minus XLA's own
-// loop overhead).
+// loop overhead), and over a 16-bit cache also as a decode step's cache write + attention:
+// the update kernel then the attention, against paged_attention_with_update's one kernel.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -378,6 +380,64 @@ double MedianUs(std::vector<float>& ms) {
   return ms[ms.size() / 2] * 1e3;
 }
 
+// Microseconds a call of `launch` (on a stream) replayed 64 times from one CUDA graph.
+template <typename Launch>
+double GraphUs(Launch launch) {
+  cudaStream_t s;
+  CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
+  cudaGraph_t graph;
+  cudaGraphExec_t exec;
+  CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
+  for (int i = 0; i < 64; ++i) CK(launch(s));
+  CK(cudaStreamEndCapture(s, &graph));
+  CK(cudaGraphInstantiate(&exec, graph, 0));
+  const double us = GraphUsPerCall(exec, s, 64, 10);
+  CK(cudaGraphExecDestroy(exec));
+  CK(cudaGraphDestroy(graph));
+  CK(cudaStreamDestroy(s));
+  return us;
+}
+
+// A decode step's cache write and attention (16-bit cache), us a call from a graph: the
+// update kernel then the attention (two launches), and paged_attention_with_update's split
+// kernel writing the Tq new tokens itself.
+void TimeWithUpdate(const Problem& pr, double* two_us, double* fused_us) {
+  const Case& c = pr.c;
+  const size_t bytes = size_t(c.b) * c.tq * c.k * c.h * 2;
+  void* k_new;
+  void* v_new;
+  CK(cudaMalloc(&k_new, bytes));
+  CK(cudaMalloc(&v_new, bytes));
+  CK(cudaMemset(k_new, 0x11, bytes));
+  CK(cudaMemset(v_new, 0x22, bytes));
+  const PagedAttentionParams& a = pr.p;
+  jaxgpu::PagedKvUpdateParams u{};
+  u.dtype = a.dtype;
+  u.kv_dtype = a.kv_dtype;
+  u.groups = 1;
+  u.num_pages = a.num_pages;
+  u.page_size = a.page_size;
+  u.kv_heads = a.kv_heads;
+  u.head_dim = a.head_dim;
+  u.batch = a.batch;
+  u.new_len = a.q_len;
+  u.max_pages = a.max_pages;
+  u.k_pages_in = u.k_pages = pr.buffers[1];
+  u.v_pages_in = u.v_pages = pr.buffers[2];
+  u.k_new = k_new;
+  u.v_new = v_new;
+  u.block_table = a.block_table;
+  u.lengths = a.lengths;  // positions null: the query tokens' own
+  *two_us = GraphUs([&](cudaStream_t s) {
+    const cudaError_t err = jaxgpu::cuda::LaunchPagedKvUpdate(u, s);
+    return err != cudaSuccess ? err : jaxgpu::cuda::LaunchPagedAttention(a, s);
+  });
+  *fused_us = GraphUs(
+      [&](cudaStream_t s) { return jaxgpu::cuda::LaunchPagedAttentionWithUpdate(a, u, s); });
+  CK(cudaFree(k_new));
+  CK(cudaFree(v_new));
+}
+
 void TimeCase(const Case& c, int iters, double copy) {
   std::mt19937 rng(1);
   Problem pr = Build(c, rng, false);
@@ -400,25 +460,16 @@ void TimeCase(const Case& c, int iters, double copy) {
   const int64_t keys = c.window >= 0 ? std::min<int64_t>(c.length, c.window + c.tq) : c.length;
   const double kv = double(c.b) * keys * c.k * (q8 ? c.h + 4 : 2 * c.h) * 2;
   const double bytes = kv + 2.0 * c.b * c.tq * c.n * c.h * 2;
-  double graph_us = 0;
+  double graph_us = 0, two_us = 0, fused_us = 0;
   if (c.b == 1) {  // 64 calls replayed from a graph: the per-call cost without dispatch
-    cudaStream_t s;
-    CK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
-    cudaGraph_t graph;
-    cudaGraphExec_t exec;
-    CK(cudaStreamBeginCapture(s, cudaStreamCaptureModeGlobal));
-    for (int i = 0; i < 64; ++i) CK(jaxgpu::cuda::LaunchPagedAttention(pr.p, s));
-    CK(cudaStreamEndCapture(s, &graph));
-    CK(cudaGraphInstantiate(&exec, graph, 0));
-    graph_us = GraphUsPerCall(exec, s, 64, 10);
-    CK(cudaGraphExecDestroy(exec));
-    CK(cudaGraphDestroy(graph));
-    CK(cudaStreamDestroy(s));
+    graph_us = GraphUs([&](cudaStream_t s) { return jaxgpu::cuda::LaunchPagedAttention(pr.p, s); });
+    if (c.kv_dtype == c.q_dtype) TimeWithUpdate(pr, &two_us, &fused_us);
   }
   std::printf("%2d/%d h%3d b%2d l%4lldk q%2d %-4s | %9.1f us  %5.2f TB/s  %5.1f%% copy", c.n, c.k,
               c.h, c.b, (long long)(c.length / 1024), c.tq, CacheName(c.kv_dtype), us,
               bytes / us * 1e-6, 100.0 * bytes / (us * 1e-6) / copy);
   if (graph_us > 0) std::printf(" | graph %.1f us/call", graph_us);
+  if (fused_us > 0) std::printf(", + update %.1f, with update %.1f", two_us, fused_us);
   if (c.window >= 0) std::printf(" (window %d)", c.window);
   std::printf("\n");
   Free(pr);

@@ -8,7 +8,8 @@ OUT=${OUT:-/tmp/decode_profile}
 mkdir -p "$OUT" /tmp/dc_build
 NVCC=${NVCC:-nvcc}
 FLAGS="-O3 -std=c++17 -Iffi -DJAXGPU_HAS_SM90A=1 -arch=sm_90a"
-for f in tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu; do
+for f in tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu \
+    ffi/decode/decode_update_kernels.cu; do
   $NVCC $FLAGS -c "$f" -o "/tmp/dc_build/$(basename "$f").o" &
 done
 wait

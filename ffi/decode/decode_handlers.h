@@ -66,22 +66,22 @@ namespace jaxgpu {
                                   .Arg<::xla::ffi::AnyBuffer>() /* k_scale */ \
                                   .Arg<::xla::ffi::AnyBuffer>() /* v_scale */)
 
-#define JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(BIND)      \
-  BIND.Arg<::xla::ffi::AnyBuffer>()    /* q */                     \
-      .Arg<::xla::ffi::AnyBuffer>()    /* k_pages */               \
-      .Arg<::xla::ffi::AnyBuffer>()    /* v_pages */               \
-      .Arg<::xla::ffi::AnyBuffer>()    /* k_new */                 \
-      .Arg<::xla::ffi::AnyBuffer>()    /* v_new */                 \
-      .Arg<::xla::ffi::AnyBuffer>()    /* block_table */           \
-      .Arg<::xla::ffi::AnyBuffer>()    /* lengths */               \
-      .Ret<::xla::ffi::AnyBuffer>()    /* out */                   \
-      .Ret<::xla::ffi::AnyBuffer>()    /* workspace */             \
-      .Ret<::xla::ffi::AnyBuffer>()    /* k_pages */               \
-      .Ret<::xla::ffi::AnyBuffer>()    /* v_pages */               \
-      .Attr<float>("scale")            /* scale */                 \
-      .Attr<float>("softcap")          /* softcap */               \
-      .Attr<int32_t>("window_left")    /* window_left */           \
-      .Attr<int32_t>("num_splits")     /* num_splits */
+#define JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(BIND) \
+  BIND.Arg<::xla::ffi::AnyBuffer>() /* q */                  \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */            \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */            \
+      .Arg<::xla::ffi::AnyBuffer>() /* k_new */              \
+      .Arg<::xla::ffi::AnyBuffer>() /* v_new */              \
+      .Arg<::xla::ffi::AnyBuffer>() /* block_table */        \
+      .Arg<::xla::ffi::AnyBuffer>() /* lengths */            \
+      .Ret<::xla::ffi::AnyBuffer>() /* out */                \
+      .Ret<::xla::ffi::AnyBuffer>() /* workspace */          \
+      .Ret<::xla::ffi::AnyBuffer>() /* k_pages */            \
+      .Ret<::xla::ffi::AnyBuffer>() /* v_pages */            \
+      .Attr<float>("scale")         /* scale */              \
+      .Attr<float>("softcap")       /* softcap */            \
+      .Attr<int32_t>("window_left") /* window_left */        \
+      .Attr<int32_t>("num_splits")  /* num_splits */
 
 #define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
   BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \

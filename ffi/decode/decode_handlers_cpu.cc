@@ -73,12 +73,14 @@ ffi::Error PagedKvUpdateQ8FwdCpu(
   return ffi::Error::Success();
 }
 
-ffi::Error PagedAttentionWithUpdateFwdCpu(
-    ffi::AnyBuffer query, ffi::AnyBuffer k_pages, ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
-    ffi::AnyBuffer v_new, ffi::AnyBuffer block_table, ffi::AnyBuffer lengths,
-    ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::AnyBuffer> workspace,
-    ffi::Result<ffi::AnyBuffer> k_out, ffi::Result<ffi::AnyBuffer> v_out, float scale,
-    float softcap, int32_t window_left, int32_t num_splits) {
+ffi::Error PagedAttentionWithUpdateFwdCpu(ffi::AnyBuffer query, ffi::AnyBuffer k_pages,
+                                          ffi::AnyBuffer v_pages, ffi::AnyBuffer k_new,
+                                          ffi::AnyBuffer v_new, ffi::AnyBuffer block_table,
+                                          ffi::AnyBuffer lengths, ffi::Result<ffi::AnyBuffer> out,
+                                          ffi::Result<ffi::AnyBuffer> workspace,
+                                          ffi::Result<ffi::AnyBuffer> k_out,
+                                          ffi::Result<ffi::AnyBuffer> v_out, float scale,
+                                          float softcap, int32_t window_left, int32_t num_splits) {
   PagedAttentionParams att;
   PagedKvUpdateParams upd;
   JAXGPU_RETURN_IF_ERROR(MakePagedAttentionWithUpdateParams(

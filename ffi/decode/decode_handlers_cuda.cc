@@ -118,8 +118,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateFwdCuda, jaxgpu::PagedKvUpdateF
 XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedKvUpdateQ8FwdCuda, jaxgpu::PagedKvUpdateQ8FwdCuda,
                               JAXGPU_PAGED_KV_UPDATE_Q8_FWD_BINDING(JAXGPU_DECODE_CUDA_BIND()),
                               {xffi::Traits::kCmdBufferCompatible});
-XLA_FFI_DEFINE_HANDLER_SYMBOL(JaxgpuPagedAttentionWithUpdateFwdCuda,
-                              jaxgpu::PagedAttentionWithUpdateFwdCuda,
-                              JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(
-                                  JAXGPU_DECODE_CUDA_BIND()),
-                              {xffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    JaxgpuPagedAttentionWithUpdateFwdCuda, jaxgpu::PagedAttentionWithUpdateFwdCuda,
+    JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(JAXGPU_DECODE_CUDA_BIND()),
+    {xffi::Traits::kCmdBufferCompatible});

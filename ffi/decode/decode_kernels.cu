@@ -428,8 +428,8 @@ cudaError_t LaunchPagedAttention(const PagedAttentionParams& p, cudaStream_t str
   });
 }
 
-cudaError_t LaunchPagedAttentionWithUpdate(PagedAttentionParams att,
-                                           const PagedKvUpdateParams& upd, cudaStream_t stream) {
+cudaError_t LaunchPagedAttentionWithUpdate(PagedAttentionParams att, const PagedKvUpdateParams& upd,
+                                           cudaStream_t stream) {
   if (att.heads > 0 && att.kv_dtype == att.dtype && decode::TensorCoreKernelTakes(att)) {
     att.k_new = upd.k_new;
     att.v_new = upd.v_new;

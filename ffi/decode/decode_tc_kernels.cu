@@ -212,8 +212,8 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
     const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);
     const int32_t page = p.block_table[r * p.max_pages + column];
     if (page < 0 || page >= p.num_pages) continue;
-    const int64_t slot = (pool_base + page) * p.page_size +
-                         (uint32_t(pos) - column * uint32_t(p.page_size));
+    const int64_t slot =
+        (pool_base + page) * p.page_size + (uint32_t(pos) - column * uint32_t(p.page_size));
     const int64_t src = ((r * p.q_len + t) * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
     const int64_t dst = (slot * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
     const char* from = static_cast<const char*>(is_v ? p.v_new : p.k_new) + src;

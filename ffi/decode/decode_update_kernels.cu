@@ -29,9 +29,9 @@ __device__ __forceinline__ int64_t TokenSlot(const Params& p, int64_t token) {
   const int64_t g = r / uint32_t(p.batch);
   // Without positions (paged_attention_with_update) the token is the query token t of its
   // row, at lengths[r] - Tn + t; int64, so that a traced length near INT32_MIN cannot wrap.
-  const int64_t pos = p.positions != nullptr
-                          ? int64_t(p.positions[token])
-                          : int64_t(p.lengths[r]) - p.new_len + (uint32_t(token) - r * uint32_t(p.new_len));
+  const int64_t pos = p.positions != nullptr ? int64_t(p.positions[token])
+                                             : int64_t(p.lengths[r]) - p.new_len +
+                                                   (uint32_t(token) - r * uint32_t(p.new_len));
   const int64_t cap = p.max_pages * p.page_size;
   if (pos < 0 || pos >= cap) return -1;
   const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);

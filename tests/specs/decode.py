@@ -143,6 +143,25 @@ def make_update(rng, case: Case) -> C.Inputs:
   return C.Inputs(_with_scales(arrays, pages), {})
 
 
+def make_with_update(rng, case: Case) -> C.Inputs:
+  """make_attention's arrays plus the query tokens' k_new, v_new. Rows keep their shared
+  prefix pages (read by every row), and each non-empty row's length puts its new tokens
+  past them, so that no row writes a slot another row reads."""
+  inputs = make_attention(rng, case)
+  arrays = dict(inputs.arrays)
+  floor = min(case.shared_prefix * case.page_size + case.q_len,
+              case.max_pages * case.page_size)
+  lengths = np.asarray(arrays["lengths"])
+  arrays["lengths"] = jnp.asarray(np.where(lengths > 0, np.maximum(lengths, floor),
+                                           0).astype(np.int32))
+  new = (case.batch, case.q_len, case.kv_heads, case.head_dim)
+  tokens = dict(k_new=oracle.randn(rng, new, case.dtype), v_new=oracle.randn(rng, new, case.dtype))
+  order = ("query", "k_pages", "v_pages", "k_new", "v_new", "block_table", "lengths",
+           "k_scale", "v_scale")
+  merged = {**arrays, **tokens}
+  return C.Inputs({k: merged[k] for k in order if k in merged}, inputs.static)
+
+
 # ---- the 8-bit cache's quantization rule ------------------------------------------------------
 
 QMAX = {jnp.dtype(jnp.int8): 127.0, jnp.dtype(jnp.float8_e4m3fn): 448.0}
@@ -337,6 +356,32 @@ def _update_oracle(kv_dtype):
   return lambda arrays, static, dtype: jnp_kv_update(**arrays, kv_dtype=kv_dtype)
 
 
+def query_positions(lengths, q_len: int):
+  """(B, Tq): the query tokens' positions lengths - Tq + t."""
+  return lengths[:, None] - q_len + jnp.arange(q_len, dtype=lengths.dtype)[None, :]
+
+
+def jnp_with_update(arrays, static, out_dtype=None, kv_dtype=None):
+  """The update of the query tokens' K/V at their positions, then the attention over the
+  updated caches: (y, k_pages, v_pages[, k_scale, v_scale])."""
+  a = dict(arrays)
+  positions = query_positions(a["lengths"], a["query"].shape[1])
+  scales = {k: a[k] for k in ("k_scale", "v_scale") if k in a}
+  caches = jnp_kv_update(a["k_pages"], a["v_pages"], a["k_new"], a["v_new"], a["block_table"],
+                         positions, **scales, kv_dtype=kv_dtype)
+  updated = dict(k_pages=caches[0], v_pages=caches[1])
+  if scales:
+    updated.update(k_scale=caches[2], v_scale=caches[3])
+  y = jnp_paged_attention(a["query"], block_table=a["block_table"], lengths=a["lengths"],
+                          **updated, **static, out_dtype=out_dtype)
+  return (y,) + tuple(caches)
+
+
+def _with_update_oracle(arrays, static, dtype):
+  out_dtype = None if dtype is None else arrays["query"].dtype
+  return jnp_with_update(arrays, static, out_dtype=out_dtype)
+
+
 # ---- the contract tables ---------------------------------------------------------------------
 
 OPTIONS = dict(softcap=30.0, window=9)
@@ -451,6 +496,30 @@ UPD_BAD = (
          r"positions.*integer", "positions-float"),
 )
 
+WITH_ARGS = ("query", "k_pages", "v_pages", "k_new", "v_new", "block_table", "lengths")
+
+
+def _with_kw(**over):
+  case = Case(jnp.float32, batch=2, q_len=2)
+  inputs = make_with_update(np.random.default_rng(0), case)
+  return {**inputs.arrays, **over}
+
+
+WITH_BAD = (
+    _bad(lambda: _with_kw(k_new=jnp.ones((2, 2, 2, 32), jnp.bfloat16)), TypeError,
+         r"k_new.*dtype", "new-dtype"),
+    _bad(lambda: _with_kw(k_new=jnp.ones((2, 1, 2, 32))), ValueError, r"k_new.*shape",
+         "new-tokens-not-tq"),
+    _bad(lambda: _with_kw(v_new=jnp.ones((2, 2, 1, 32))), ValueError, r"v_new.*shape",
+         "v-new-kv-heads"),
+    _bad(lambda: _with_kw(query=jnp.ones((2, 2, 3, 32))), ValueError, r"multiple of the kv",
+         "heads-not-multiple"),
+    _bad(lambda: _with_kw(lengths=jnp.zeros((3,), jnp.int32)), ValueError, r"lengths.*shape",
+         "lengths-shape"),
+)
+KV_HEADS = P(None, None, "b")
+WITH_KV_HEADS = {k: KV_HEADS for k in ("query", "k_pages", "v_pages", "k_new", "v_new")}
+
 ROWS8 = P(("a", "b"))
 
 SPECS = (
@@ -491,13 +560,41 @@ SPECS = (
         bad_inputs=UPD_BAD,
         size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2)),),
     ),
+    C.OpSpec(
+        name="paged_attention_with_update",
+        make=make_with_update,
+        example=Case(jnp.float32, q_len=2, **OPTIONS),
+        array_args=WITH_ARGS,
+        diff_args=(),
+        oracle=_with_update_oracle,
+        outputs=("y", "k_pages", "v_pages"),
+        vmap=(
+            C.VmapCase("all0", Case(jnp.float32, q_len=2, **OPTIONS),
+                       (dict.fromkeys(WITH_ARGS, 0),), frozenset({"fwd"})),
+            # An unbatched pool: copied once per example, each with its own writes.
+            C.VmapCase("shared-pool", Case(jnp.bfloat16, q_len=1),
+                       ({"query": 1, "k_new": 1, "v_new": 1, "block_table": 0,
+                         "lengths": 0},), frozenset({"fwd"})),
+        ),
+        pmap=C.VmapCase("all0", Case(jnp.float32), (dict.fromkeys(WITH_ARGS, 0),),
+                        frozenset({"fwd"}), sizes=(C.PMAP_DEVICES,)),
+        sharding=(
+            C.ShardingCase("kv-heads", SHARD_CASE, WITH_KV_HEADS, fwd=frozenset(),
+                           kernels_only=True,
+                           out_specs={"y": KV_HEADS, "k_pages": KV_HEADS,
+                                      "v_pages": KV_HEADS}),
+        ),
+        shard_map=C.ShardMapCase(Case(jnp.bfloat16, batch=2, q_len=2, kv_heads=2, **OPTIONS),
+                                 WITH_KV_HEADS, (KV_HEADS,) * 3),
+        bad_inputs=WITH_BAD,
+        size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2)),),
+    ),
 )
 
 
 # ---- the 8-bit cache: the same contract, with the scales ----------------------------------------
 
 SCALES = ("k_scale", "v_scale")
-KV_HEADS_B = P(None, None, "b")
 
 
 def _q8_att_kw(kv_dtype, **over):
@@ -538,7 +635,7 @@ def _q8_specs(kv_dtype) -> tuple:
   q8 = functools.partial(dataclasses.replace, kv_dtype=kv_dtype)
   att_args = ATT_ARGS + SCALES
   upd_args = UPD_ARGS + SCALES
-  kv_heads = {k: KV_HEADS_B for k in ("k_pages", "v_pages") + SCALES}
+  kv_heads = {k: KV_HEADS for k in ("k_pages", "v_pages") + SCALES}
   return (
       C.OpSpec(
           name="paged_attention",
@@ -562,8 +659,8 @@ def _q8_specs(kv_dtype) -> tuple:
               C.ShardingCase("batch", q8(SHARD_CASE),
                              {"query": P("a"), "block_table": P("a"), "lengths": P("a")},
                              fwd=frozenset(), out_specs={"y": P("a")}),
-              C.ShardingCase("kv-heads", q8(SHARD_CASE), {"query": KV_HEADS_B, **kv_heads},
-                             fwd=frozenset(), out_specs={"y": KV_HEADS_B}, kernels_only=True),
+              C.ShardingCase("kv-heads", q8(SHARD_CASE), {"query": KV_HEADS, **kv_heads},
+                             fwd=frozenset(), out_specs={"y": KV_HEADS}, kernels_only=True),
           ),
           shard_map=C.ShardMapCase(
               Case(jnp.bfloat16, batch=8, q_len=2, kv_dtype=kv_dtype, **OPTIONS),
@@ -592,12 +689,12 @@ def _q8_specs(kv_dtype) -> tuple:
                           sizes=(C.PMAP_DEVICES,)),
           sharding=(
               C.ShardingCase("kv-heads", Case(jnp.bfloat16, batch=4, q_len=2, kv_dtype=kv_dtype),
-                             {"k_new": KV_HEADS_B, "v_new": KV_HEADS_B, **kv_heads},
+                             {"k_new": KV_HEADS, "v_new": KV_HEADS, **kv_heads},
                              fwd=frozenset(), kernels_only=True, out_specs=kv_heads),
           ),
           shard_map=C.ShardMapCase(
               Case(jnp.bfloat16, batch=2, q_len=2, kv_dtype=kv_dtype),
-              {"k_new": KV_HEADS_B, "v_new": KV_HEADS_B, **kv_heads}, (KV_HEADS_B,) * 4),
+              {"k_new": KV_HEADS, "v_new": KV_HEADS, **kv_heads}, (KV_HEADS,) * 4),
           bad_inputs=_q8_bad(_q8_upd_kw, name),
           size_zero=(("batch0", Case(jnp.bfloat16, batch=0, extra_pages=2, kv_dtype=kv_dtype)),),
       ),
