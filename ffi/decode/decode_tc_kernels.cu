@@ -78,15 +78,23 @@ constexpr int kStagesFor = kIs8Bit<KV> && kMT == 2 ? 4 : 3;
 template <typename KV, int kHD, int kMT>
 constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
 
-// Head-dim slices of a block: at H 256 each key group's work is split over 2 warps (head dims [0, 128) and [128, 256) of the products, the halves of the logits added
-// through shared memory). Its 64-key ring is 203 KB, one block an SM: with 4 warps the SM
-// ran one warp a scheduler, and measured on the H100 (32/8, B 8, L 32k, Tq 1) read 2.42
-// TB/s where H 128 (8 warps an SM) read 2.67; with the slices, 2.80. They also halve the
-// accumulators, so that 32 query rows fit one block (kMT = 2) and Tq = 8 reads the cache
-// once, not twice (1.25 -> 2.25 TB/s at Tq 8). An 8-bit cache at H 256 (a 96 KB ring) runs 2
-// such blocks an SM.
-template <int kHD>
-constexpr int kSplitHFor = kHD == 256 ? 2 : 1;
+// Head-dim slices of a block: at H 256 each key group's work is split over 2 or 4 warps
+// (head dims [0, 128) and [128, 256), or quarters, of the products; the slices' partial
+// logits added through shared memory). Its 64-key ring is 203 KB, one block an SM: with 4
+// warps the SM ran one warp a scheduler, and measured on the H100 (32/8, B 8, L 32k, Tq 1)
+// read 2.42 TB/s where H 128 (8 warps an SM) read 2.67; with 2 slices, 2.80. They also halve
+// the accumulators, so that 32 query rows fit one block (kMT = 2) and Tq = 8 reads the cache
+// once, not twice (1.25 -> 2.25 TB/s at Tq 8). A 16-bit cache with one m-tile takes 4 slices
+// (16 warps an SM, 108 registers): on the H200 (tools/decode_check, bf16, Tq 1; 2 -> 4
+// slices) 32/8 B 8 L 32k 844 -> 781 us, 8/4 B 64 L 4k 426 -> 399 us, 8/4 B 8 L 4k 68 -> 66
+// us, the B 1 calls within 0.2 us. An 8-bit cache at H 256 (a 96 KB ring) runs 2 blocks of 2
+// slices an SM. -DJAXGPU_DECODE_H256_SLICES=2 builds the 2-slice blocks for such A/B timings.
+#ifndef JAXGPU_DECODE_H256_SLICES
+#define JAXGPU_DECODE_H256_SLICES 4
+#endif
+template <typename KV, int kHD, int kMT>
+constexpr int kSplitHFor =
+    kHD != 256 ? 1 : (!kIs8Bit<KV> && kMT == 1 ? JAXGPU_DECODE_H256_SLICES : 2);
 
 template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
@@ -97,7 +105,8 @@ constexpr int kBlocksFor =
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
 //   scale   kStages x {K, V} x kKeys f32 8-bit caches only
-//   swap    (kWarps, 8 kMT, 32) f32      two head-dim slices only: a logit tile's halves
+//   swap    parts x (kWarps, 8 kMT, 32)  f32, head-dim slices only: the logit tiles handed
+//                                        over (1 part with 2 slices, 4 with 4)
 // After the loop the ring (and what follows it) holds the warps' states for the merge.
 template <typename T, typename KV, int kHD, int kMT, int kSplitH>
 struct Layout {
@@ -111,7 +120,9 @@ struct Layout {
   static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + kStages * kKeys * 4;
   static constexpr int kSwap = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
-  static constexpr int kBytes = kSwap + (kSplitH == 2 ? kWarps * 8 * kMT * 32 * 4 : 0);
+  // Two slices hand one part over (slice 1's), four hand all four.
+  static constexpr int kSwapParts = kSplitH == 1 ? 0 : (kSplitH == 2 ? 1 : kSplitH);
+  static constexpr int kBytes = kSwap + kSwapParts * kWarps * 8 * kMT * 32 * 4;
   // The merge: o (kWarps, kRows, kHD) then m and l (kWarps, kRows) float32, from the ring on.
   static constexpr int kMergeBytes = kWarps * kRows * (kHD + 2) * 4;
   static_assert(kMergeBytes <= kBytes - kRing, "the merge fits over the tiles");
@@ -194,8 +205,9 @@ __device__ __forceinline__ uint32_t Prepare8(uint32_t word) {
 // paged_attention_with_update: row r's Tq new tokens of kv head kvh written to their slots
 // (positions len - Tq + t; a position outside [0, M x S) or on a page entry outside [0, P)
 // is skipped, as paged_kv_update skips it), in 16-byte vectors by the block's threads. One
-// block per (row, kv head) writes (split 0, row tile 0); no block reads these slots, as the
-// readers of a new token take it from k_new / v_new.
+// block per (row, kv head) writes: the last split's (row tile 0), which has the fewest
+// tiles, often none (the tiles divided over the splits round up). No block reads these
+// slots: the readers of a new token take it from k_new / v_new.
 template <typename KV>
 __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, int64_t r,
                                                 int64_t kvh, int64_t pool_base, int64_t len,
@@ -441,7 +453,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     if (it < num_tiles) load_tile(it);
     asm volatile("cp.async.commit_group;\n" ::: "memory");
   }
-  if (fused && split == 0 && tile == 0) {
+  if (fused && split == p.num_splits - 1 && tile == 0) {
     AppendNewTokens<KV>(p, r, kvh, pool_base, len, kBlockThreads);
   }
 
@@ -533,6 +545,23 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
           sm80::MmaType<M>::Mma(s[mi][0], a, b[0], b[1]);
           sm80::MmaType<M>::Mma(s[mi][1], a, b[2], b[3]);
         }
+      }
+    }
+    if constexpr (kSplitH == 4) {
+      // The four slices' partial logits: each slice hands its part over, then every slice
+      // adds the four parts in the same order (a named barrier per key group's 4 warps), so
+      // that all run the same softmax on the same values. The next tile's hand-over waits
+      // for the main loop's __syncthreads, after every read of this one.
+      constexpr int kPart = kWarps * 8 * kMT * 32;  // floats of one slice's hand-over
+      float* swap = reinterpret_cast<float*>(smem + L::kSwap) + warp * (8 * kMT * 32) + lane;
+      float* flat = &s[0][0][0];
+#pragma unroll
+      for (int e = 0; e < 8 * kMT; ++e) swap[slice * kPart + e * 32] = flat[e];
+      asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warp) : "memory");
+#pragma unroll
+      for (int e = 0; e < 8 * kMT; ++e) {
+        flat[e] = ((swap[e * 32] + swap[kPart + e * 32]) + swap[2 * kPart + e * 32]) +
+                  swap[3 * kPart + e * 32];
       }
     }
     if constexpr (kSplitH == 2) {
@@ -768,7 +797,7 @@ int ChooseSplits(int64_t base_blocks, int64_t slots, int max_splits, int64_t max
 
 template <typename T, typename KV, int kHD, int kMT>
 cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
-  constexpr int kSplitH = kSplitHFor<kHD>;
+  constexpr int kSplitH = kSplitHFor<KV, kHD, kMT>;
   constexpr int kBlockThreads = kThreads * kSplitH;
   using L = Layout<T, KV, kHD, kMT, kSplitH>;
   auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT, kSplitH>;
