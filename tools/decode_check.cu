@@ -411,23 +411,8 @@ void TimeWithUpdate(const Problem& pr, double* two_us, double* fused_us) {
   CK(cudaMemset(k_new, 0x11, bytes));
   CK(cudaMemset(v_new, 0x22, bytes));
   const PagedAttentionParams& a = pr.p;
-  jaxgpu::PagedKvUpdateParams u{};
-  u.dtype = a.dtype;
-  u.kv_dtype = a.kv_dtype;
-  u.groups = 1;
-  u.num_pages = a.num_pages;
-  u.page_size = a.page_size;
-  u.kv_heads = a.kv_heads;
-  u.head_dim = a.head_dim;
-  u.batch = a.batch;
-  u.new_len = a.q_len;
-  u.max_pages = a.max_pages;
-  u.k_pages_in = u.k_pages = pr.buffers[1];
-  u.v_pages_in = u.v_pages = pr.buffers[2];
-  u.k_new = k_new;
-  u.v_new = v_new;
-  u.block_table = a.block_table;
-  u.lengths = a.lengths;  // positions null: the query tokens' own
+  const jaxgpu::PagedKvUpdateParams u =
+      jaxgpu::QueryTokensUpdate(a, pr.buffers[1], pr.buffers[2], k_new, v_new);
   *two_us = GraphUs([&](cudaStream_t s) {
     const cudaError_t err = jaxgpu::cuda::LaunchPagedKvUpdate(u, s);
     return err != cudaSuccess ? err : jaxgpu::cuda::LaunchPagedAttention(a, s);

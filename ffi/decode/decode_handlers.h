@@ -43,16 +43,19 @@
 
 namespace jaxgpu {
 
-// The arguments after the caches, the results and the attributes of both attention targets.
-#define JAXGPU_PAGED_ATTENTION_TAIL(B)                \
-  B.Arg<::xla::ffi::AnyBuffer>()    /* block_table */ \
-      .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
-      .Ret<::xla::ffi::AnyBuffer>() /* out */         \
-      .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
-      .Attr<float>("scale")         /* scale */       \
+// The attributes of the three attention targets.
+#define JAXGPU_PAGED_ATTENTION_ATTRS(B)               \
+  B.Attr<float>("scale")            /* scale */       \
       .Attr<float>("softcap")       /* softcap */     \
       .Attr<int32_t>("window_left") /* window_left */ \
       .Attr<int32_t>("num_splits")  /* num_splits */
+
+// The arguments after the caches, the results and the attributes of both attention targets.
+#define JAXGPU_PAGED_ATTENTION_TAIL(B)                                             \
+  JAXGPU_PAGED_ATTENTION_ATTRS(B.Arg<::xla::ffi::AnyBuffer>()    /* block_table */ \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* out */         \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* workspace */)
 
 #define JAXGPU_PAGED_ATTENTION_FWD_BINDING(BIND)                              \
   JAXGPU_PAGED_ATTENTION_TAIL(BIND.Arg<::xla::ffi::AnyBuffer>() /* q */       \
@@ -66,22 +69,18 @@ namespace jaxgpu {
                                   .Arg<::xla::ffi::AnyBuffer>() /* k_scale */ \
                                   .Arg<::xla::ffi::AnyBuffer>() /* v_scale */)
 
-#define JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(BIND) \
-  BIND.Arg<::xla::ffi::AnyBuffer>() /* q */                  \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_pages */            \
-      .Arg<::xla::ffi::AnyBuffer>() /* v_pages */            \
-      .Arg<::xla::ffi::AnyBuffer>() /* k_new */              \
-      .Arg<::xla::ffi::AnyBuffer>() /* v_new */              \
-      .Arg<::xla::ffi::AnyBuffer>() /* block_table */        \
-      .Arg<::xla::ffi::AnyBuffer>() /* lengths */            \
-      .Ret<::xla::ffi::AnyBuffer>() /* out */                \
-      .Ret<::xla::ffi::AnyBuffer>() /* workspace */          \
-      .Ret<::xla::ffi::AnyBuffer>() /* k_pages */            \
-      .Ret<::xla::ffi::AnyBuffer>() /* v_pages */            \
-      .Attr<float>("scale")         /* scale */              \
-      .Attr<float>("softcap")       /* softcap */            \
-      .Attr<int32_t>("window_left") /* window_left */        \
-      .Attr<int32_t>("num_splits")  /* num_splits */
+#define JAXGPU_PAGED_ATTENTION_WITH_UPDATE_FWD_BINDING(BIND)                       \
+  JAXGPU_PAGED_ATTENTION_ATTRS(BIND.Arg<::xla::ffi::AnyBuffer>() /* q */           \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* v_pages */     \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* k_new */       \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* v_new */       \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* block_table */ \
+                                   .Arg<::xla::ffi::AnyBuffer>() /* lengths */     \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* out */         \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* workspace */   \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* k_pages */     \
+                                   .Ret<::xla::ffi::AnyBuffer>() /* v_pages */)
 
 #define JAXGPU_PAGED_KV_UPDATE_FWD_BINDING(BIND)      \
   BIND.Arg<::xla::ffi::AnyBuffer>() /* k_pages */     \
@@ -384,25 +383,10 @@ inline ffi::Error MakePagedAttentionWithUpdateParams(
   JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
-  *upd = PagedKvUpdateParams{};
-  upd->dtype = a.dtype;
-  upd->kv_dtype = a.kv_dtype;
-  upd->groups = a.groups;
-  upd->num_pages = a.num_pages;
-  upd->page_size = a.page_size;
-  upd->kv_heads = a.kv_heads;
-  upd->head_dim = a.head_dim;
-  upd->batch = a.batch;
-  upd->new_len = a.q_len;
-  upd->max_pages = a.max_pages;
+  *upd = QueryTokensUpdate(a, k_out->untyped_data(), v_out->untyped_data(), k_new.untyped_data(),
+                           v_new.untyped_data());
   upd->k_pages_in = k_pages.untyped_data();
   upd->v_pages_in = v_pages.untyped_data();
-  upd->k_pages = k_out->untyped_data();
-  upd->v_pages = v_out->untyped_data();
-  upd->k_new = k_new.untyped_data();
-  upd->v_new = v_new.untyped_data();
-  upd->block_table = a.block_table;
-  upd->lengths = a.lengths;
   att->k_pages = upd->k_pages;
   att->v_pages = upd->v_pages;
   return ffi::Error::Success();

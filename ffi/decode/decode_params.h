@@ -125,6 +125,32 @@ struct PagedKvUpdateParams {
   float* v_scale;
 };
 
+// The update of paged_attention_with_update: attention `a`'s query tokens' K/V (k_new,
+// v_new in a's dtype, (G, B, Tq, K, H)) written into the pools at k_pages / v_pages (the
+// same buffers as the inputs: copied there first when XLA did not alias them), at positions
+// lengths - Tq + t.
+inline PagedKvUpdateParams QueryTokensUpdate(const PagedAttentionParams& a, void* k_pages,
+                                             void* v_pages, const void* k_new, const void* v_new) {
+  PagedKvUpdateParams u{};
+  u.dtype = a.dtype;
+  u.kv_dtype = a.kv_dtype;
+  u.groups = a.groups;
+  u.num_pages = a.num_pages;
+  u.page_size = a.page_size;
+  u.kv_heads = a.kv_heads;
+  u.head_dim = a.head_dim;
+  u.batch = a.batch;
+  u.new_len = a.q_len;
+  u.max_pages = a.max_pages;
+  u.k_pages_in = u.k_pages = k_pages;
+  u.v_pages_in = u.v_pages = v_pages;
+  u.k_new = k_new;
+  u.v_new = v_new;
+  u.block_table = a.block_table;
+  u.lengths = a.lengths;
+  return u;
+}
+
 // Bytes of one page pool (both caches have this size).
 inline int64_t PagedKvPoolBytes(const PagedKvUpdateParams& p) {
   return DTypeBytes(p.kv_dtype, p.groups * p.num_pages * p.page_size * p.kv_heads * p.head_dim);
