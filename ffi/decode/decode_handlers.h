@@ -192,6 +192,17 @@ inline ffi::Error SameShape(const ffi::AnyBuffer& buf, const ffi::AnyBuffer& lik
   return ffi::Error::Success();
 }
 
+// The updated caches' result buffers: k_pages' shape and dtype.
+inline ffi::Error CheckCacheResults(ffi::Result<ffi::AnyBuffer>& k_out,
+                                    ffi::Result<ffi::AnyBuffer>& v_out,
+                                    const ffi::AnyBuffer& k_pages) {
+  JAXGPU_RETURN_IF_ERROR(SameShape(*k_out, k_pages, "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(
+      CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
+  return CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)");
+}
+
 }  // namespace decode_detail
 
 // k_scale and v_scale are null for a 16-bit or float32 cache (pages in query's dtype) and
@@ -325,12 +336,7 @@ inline ffi::Error MakePagedKvUpdateParams(
   JAXGPU_RETURN_IF_ERROR(CheckDims(positions, {p->groups, p->batch, p->new_len}, "positions"));
   JAXGPU_RETURN_IF_ERROR(
       CheckBuffer(positions, ffi::DataType::S32, p->groups * p->batch * p->new_len, "positions"));
-  JAXGPU_RETURN_IF_ERROR(SameShape(*k_out, k_pages, "k_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(CheckCacheResults(k_out, v_out, k_pages));
   if (q8) {
     JAXGPU_RETURN_IF_ERROR(CheckScales(*k_scale, k_pages, "k_scale"));
     JAXGPU_RETURN_IF_ERROR(CheckScales(*v_scale, k_pages, "v_scale"));
@@ -377,12 +383,7 @@ inline ffi::Error MakePagedAttentionWithUpdateParams(
         CheckDims(*buf, {a.groups, a.batch, a.q_len, a.kv_heads, a.head_dim}, name));
     JAXGPU_RETURN_IF_ERROR(CheckBuffer(*buf, query.element_type(), buf->element_count(), name));
   }
-  JAXGPU_RETURN_IF_ERROR(SameShape(*k_out, k_pages, "k_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(k_out, k_pages.element_type(), k_pages.element_count(), "k_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(SameShape(*v_out, k_pages, "v_pages (result)"));
-  JAXGPU_RETURN_IF_ERROR(
-      CheckBuffer(v_out, k_pages.element_type(), k_pages.element_count(), "v_pages (result)"));
+  JAXGPU_RETURN_IF_ERROR(CheckCacheResults(k_out, v_out, k_pages));
   *upd = QueryTokensUpdate(a, k_out->untyped_data(), v_out->untyped_data(), k_new.untyped_data(),
                            v_new.untyped_data());
   upd->k_pages_in = k_pages.untyped_data();
