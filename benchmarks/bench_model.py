@@ -21,7 +21,7 @@ Parts:
   decode   the jitted decode loop (`decode`: one while_loop, greedy sampling included, no
            host round trip), 64 tokens per row after a context of 4k or 32k tokens, batch 1,
            8 and 64: tokens/s, and the roofline beside it. 'cuda' runs the paged KV cache
-           (jaxgpu.paged_kv_update + paged_attention, generate's default with jaxgpu's
+           (jaxgpu.paged_attention_with_update, generate's default with jaxgpu's
            kernels), 'contig' the same kernels on the contiguous cache
            (jaxgpu.dot_product_attention over every slot, masked), 'xla' the contiguous
            cache.

@@ -58,6 +58,8 @@ def main() -> int:
       "paged_kv_update": (lambda impl: jaxgpu.paged_kv_update(
           pages, pages, k[:, :2], v[:, :2], table, jnp.stack([lengths - 2, lengths - 1], 1),
           implementation=impl)[0]),
+      "paged_attention_with_update": (lambda impl: jaxgpu.paged_attention_with_update(
+          q[:, :2], pages, pages, k[:, :2], v[:, :2], table, lengths, implementation=impl)[0]),
       "linear": (lambda impl: jaxgpu.linear(x, f32(64, 24), f32(24), activation="gelu",
                                             implementation=impl)
                  + jaxgpu.linear(x, jaxgpu.quantize_weight(f32(64, 24), bits=4, group_size=32),
