@@ -1,7 +1,8 @@
 """Decode attention over a paged KV cache, and the in-place cache update; forward only.
 
-Kernels: ffi/decode/ (targets jaxgpu_paged_attention_fwd, jaxgpu_paged_kv_update_fwd, and
-their 8-bit cache twins jaxgpu_paged_attention_q8_fwd, jaxgpu_paged_kv_update_q8_fwd).
+Kernels: ffi/decode/ (targets jaxgpu_paged_attention_fwd, jaxgpu_paged_kv_update_fwd, their
+8-bit cache twins jaxgpu_paged_attention_q8_fwd, jaxgpu_paged_kv_update_q8_fwd, and
+jaxgpu_paged_attention_with_update_fwd: a decode step's write and attention in one call).
 Reference: jaxgpu/reference/decode.py. Tests: tests/test_decode.py.
 
 The cache is a pool of pages (P, page_size, K, H) shared by every row of the batch; a row
