@@ -165,6 +165,16 @@ def _attention_call(cfg: _AttentionConfig, query, k_pages, v_pages, k_scale, v_s
   return out
 
 
+def _for_in_place_call(caches):
+  """Grouped caches as an in-place custom call takes them. One group: without it ((P, S, K,
+  H) pages, (P, S, K) scales), so that this reshape cancels the caller's [None] and the
+  custom call gets the donated buffers themselves. Between a bitcast and an in-place custom
+  call XLA copies the buffer (on the way in and out): two copies of the cache per call."""
+  if caches[0].shape[0] != 1:
+    return tuple(caches)
+  return tuple(c.reshape(c.shape[1:]) for c in caches)
+
+
 def _update_call(implementation, k_pages, v_pages, k_scale, v_scale, k_new, v_new, block_table,
                  positions):
   """Grouped arrays in (the scales None for a 16-bit cache); the grouped caches out."""
@@ -172,12 +182,7 @@ def _update_call(implementation, k_pages, v_pages, k_scale, v_scale, k_new, v_ne
   def local_fn(*args):
     caches, rest = args[:len(args) - 4], args[len(args) - 4:]  # the pages, then any scales
     shapes = [c.shape for c in caches]
-    if shapes[0][0] == 1:
-      # One group: the caches go to the kernel without it ((P, S, K, H) pages, (P, S, K)
-      # scales), so that this reshape cancels the caller's [None] and the custom call gets
-      # the donated buffers themselves. Between a bitcast and an in-place custom call XLA
-      # copies the buffer (on the way in and out): two copies of the cache per update.
-      caches = tuple(c.reshape(c.shape[1:]) for c in caches)
+    caches = _for_in_place_call(caches)
     outs = tuple(jax.ShapeDtypeStruct(c.shape, c.dtype) for c in caches)
     target = PAGED_KV_UPDATE.target("fwd" if len(caches) == 2 else "fwd_q8", implementation)
     results = jax.ffi.ffi_call(target, outs,
@@ -200,10 +205,7 @@ def _with_update_call(cfg: _AttentionConfig, query, k_pages, v_pages, k_new, v_n
     g, b, tq, n, h = q.shape
     splits, work = workspace_size(g, b, kp.shape[3], tq, n, h, table.shape[2])
     shape = kp.shape
-    if g == 1:
-      # As in _update_call: the pool without its unit group dim, so that XLA aliases the
-      # donated buffer itself to the result instead of copying around a bitcast.
-      kp, vp = kp.reshape(shape[1:]), vp.reshape(shape[1:])
+    kp, vp = _for_in_place_call((kp, vp))
     outs = (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((work,), jnp.float32),
             jax.ShapeDtypeStruct(kp.shape, kp.dtype), jax.ShapeDtypeStruct(vp.shape, vp.dtype))
     target = PAGED_ATTENTION_WITH_UPDATE.target("fwd", cfg.implementation)
