@@ -398,21 +398,56 @@ double GraphUs(Launch launch) {
   return us;
 }
 
+// The fused call against the update then the attention, bit for bit: the output and both
+// pools, each run from the same starting pools. The new tokens' bytes (0x33 / 0x44) differ
+// from the pools' (0x11 / 0x22), so a skipped or misplaced write shows.
+bool FusedMatchesTwoCalls(const Problem& pr, const jaxgpu::PagedKvUpdateParams& u) {
+  const PagedAttentionParams& a = pr.p;
+  const size_t pool_bytes = pr.k_raw.size(), out_bytes = pr.q.size() * 2;
+  auto run = [&](bool fused, std::vector<uint8_t>* out, std::vector<uint8_t>* k,
+                 std::vector<uint8_t>* v) {
+    CK(cudaMemset(pr.buffers[1], 0x11, pool_bytes));
+    CK(cudaMemset(pr.buffers[2], 0x22, pool_bytes));
+    CK(cudaMemset(a.out, 0xff, out_bytes));
+    if (fused) {
+      CK(jaxgpu::cuda::LaunchPagedAttentionWithUpdate(a, u, nullptr));
+    } else {
+      CK(jaxgpu::cuda::LaunchPagedKvUpdate(u, nullptr));
+      CK(jaxgpu::cuda::LaunchPagedAttention(a, nullptr));
+    }
+    out->resize(out_bytes), k->resize(pool_bytes), v->resize(pool_bytes);
+    CK(cudaMemcpy(out->data(), a.out, out_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(k->data(), pr.buffers[1], pool_bytes, cudaMemcpyDeviceToHost));
+    CK(cudaMemcpy(v->data(), pr.buffers[2], pool_bytes, cudaMemcpyDeviceToHost));
+  };
+  std::vector<uint8_t> out2, k2, v2, out1, k1, v1;
+  run(false, &out2, &k2, &v2);
+  run(true, &out1, &k1, &v1);
+  const bool written = std::count(k2.begin(), k2.end(), uint8_t(0x33)) > 0;
+  const bool same = out1 == out2 && k1 == k2 && v1 == v2;
+  if (!written || !same) {
+    std::printf("FAIL with update: %s\n",
+                !written ? "no new token written" : "differs from update + attention");
+  }
+  return written && same;
+}
+
 // A decode step's cache write and attention (16-bit cache), us a call from a graph: the
 // update kernel then the attention (two launches), and paged_attention_with_update's split
-// kernel writing the Tq new tokens itself.
-void TimeWithUpdate(const Problem& pr, double* two_us, double* fused_us) {
+// kernel writing the Tq new tokens itself. Returns false when the two differ (above).
+bool TimeWithUpdate(const Problem& pr, double* two_us, double* fused_us) {
   const Case& c = pr.c;
   const size_t bytes = size_t(c.b) * c.tq * c.k * c.h * 2;
   void* k_new;
   void* v_new;
   CK(cudaMalloc(&k_new, bytes));
   CK(cudaMalloc(&v_new, bytes));
-  CK(cudaMemset(k_new, 0x11, bytes));
-  CK(cudaMemset(v_new, 0x22, bytes));
+  CK(cudaMemset(k_new, 0x33, bytes));
+  CK(cudaMemset(v_new, 0x44, bytes));
   const PagedAttentionParams& a = pr.p;
   const jaxgpu::PagedKvUpdateParams u =
       jaxgpu::QueryTokensUpdate(a, pr.buffers[1], pr.buffers[2], k_new, v_new);
+  const bool same = FusedMatchesTwoCalls(pr, u);
   *two_us = GraphUs([&](cudaStream_t s) {
     const cudaError_t err = jaxgpu::cuda::LaunchPagedKvUpdate(u, s);
     return err != cudaSuccess ? err : jaxgpu::cuda::LaunchPagedAttention(a, s);
@@ -421,9 +456,11 @@ void TimeWithUpdate(const Problem& pr, double* two_us, double* fused_us) {
       [&](cudaStream_t s) { return jaxgpu::cuda::LaunchPagedAttentionWithUpdate(a, u, s); });
   CK(cudaFree(k_new));
   CK(cudaFree(v_new));
+  return same;
 }
 
-void TimeCase(const Case& c, int iters, double copy) {
+// Returns 1 when the fused call's bitwise check fails, else 0.
+int TimeCase(const Case& c, int iters, double copy) {
   std::mt19937 rng(1);
   Problem pr = Build(c, rng, false);
   cudaEvent_t e0, e1;
@@ -446,9 +483,10 @@ void TimeCase(const Case& c, int iters, double copy) {
   const double kv = double(c.b) * keys * c.k * (q8 ? c.h + 4 : 2 * c.h) * 2;
   const double bytes = kv + 2.0 * c.b * c.tq * c.n * c.h * 2;
   double graph_us = 0, two_us = 0, fused_us = 0;
+  bool fused_ok = true;
   if (c.b == 1) {  // 64 calls replayed from a graph: the per-call cost without dispatch
     graph_us = GraphUs([&](cudaStream_t s) { return jaxgpu::cuda::LaunchPagedAttention(pr.p, s); });
-    if (c.kv_dtype == c.q_dtype) TimeWithUpdate(pr, &two_us, &fused_us);
+    if (c.kv_dtype == c.q_dtype) fused_ok = TimeWithUpdate(pr, &two_us, &fused_us);
   }
   std::printf("%2d/%d h%3d b%2d l%4lldk q%2d %-4s | %9.1f us  %5.2f TB/s  %5.1f%% copy", c.n, c.k,
               c.h, c.b, (long long)(c.length / 1024), c.tq, CacheName(c.kv_dtype), us,
@@ -458,6 +496,7 @@ void TimeCase(const Case& c, int iters, double copy) {
   if (c.window >= 0) std::printf(" (window %d)", c.window);
   std::printf("\n");
   Free(pr);
+  return fused_ok ? 0 : 1;
 }
 
 Case ParseCase(const std::string& s) {
@@ -529,7 +568,7 @@ int main(int argc, char** argv) {
                {4, 1, 256, 1, k4, 1, bf, bf},
                {4, 1, 256, 1, k4, 1, bf, bf, false, 0, 0.f, 511}};
     }
-    for (const Case& c : cases) TimeCase(c, iters, copy);
+    for (const Case& c : cases) failed += TimeCase(c, iters, copy);
   }
   return failed == 0 ? 0 : 1;
 }

@@ -49,6 +49,7 @@
 #include "attention/sm80/mma.cuh"
 #include "common/cuda_dispatch.cuh"
 #include "common/cuda_utils.cuh"
+#include "decode/decode_slot.cuh"
 #include "decode/decode_split.cuh"
 
 namespace jaxgpu::cuda::decode {
@@ -213,19 +214,14 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
                                                 int64_t kvh, int64_t pool_base, int64_t len,
                                                 int threads) {
   const int vecs = int(p.head_dim) * int(sizeof(KV)) / 16;  // H is a multiple of 8
-  const int64_t cap = p.max_pages * p.page_size;
   const int64_t token_stride = p.kv_heads * p.head_dim;
   for (int i = threadIdx.x; i < 2 * int(p.q_len) * vecs; i += threads) {
     const int t = i / (2 * vecs), rest = i % (2 * vecs);
     const bool is_v = rest >= vecs;
     const int vec = is_v ? rest - vecs : rest;
-    const int64_t pos = len - p.q_len + t;
-    if (pos < 0 || pos >= cap) continue;
-    const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);
-    const int32_t page = p.block_table[r * p.max_pages + column];
-    if (page < 0 || page >= p.num_pages) continue;
-    const int64_t slot =
-        (pool_base + page) * p.page_size + (uint32_t(pos) - column * uint32_t(p.page_size));
+    const int64_t slot = PoolSlot(len - p.q_len + t, p.block_table + r * p.max_pages, p.max_pages,
+                                  p.page_size, p.num_pages, pool_base);
+    if (slot < 0) continue;
     const int64_t src = ((r * p.q_len + t) * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
     const int64_t dst = (slot * token_stride + kvh * p.head_dim) * int64_t(sizeof(KV));
     const char* from = static_cast<const char*>(is_v ? p.v_new : p.k_new) + src;

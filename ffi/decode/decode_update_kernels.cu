@@ -9,6 +9,7 @@
 #include "common/cuda_dispatch.cuh"
 #include "common/cuda_utils.cuh"
 #include "decode/decode_cuda.h"
+#include "decode/decode_slot.cuh"
 
 namespace jaxgpu::cuda {
 namespace {
@@ -32,12 +33,8 @@ __device__ __forceinline__ int64_t TokenSlot(const Params& p, int64_t token) {
   const int64_t pos = p.positions != nullptr ? int64_t(p.positions[token])
                                              : int64_t(p.lengths[r]) - p.new_len +
                                                    (uint32_t(token) - r * uint32_t(p.new_len));
-  const int64_t cap = p.max_pages * p.page_size;
-  if (pos < 0 || pos >= cap) return -1;
-  const uint32_t column = uint32_t(pos) / uint32_t(p.page_size);
-  const int64_t page = p.block_table[int64_t(r) * p.max_pages + column];
-  if (page < 0 || page >= p.num_pages) return -1;
-  return (g * p.num_pages + page) * p.page_size + (uint32_t(pos) - column * uint32_t(p.page_size));
+  return decode::PoolSlot(pos, p.block_table + int64_t(r) * p.max_pages, p.max_pages, p.page_size,
+                          p.num_pages, g * p.num_pages);
 }
 
 // One block per new token: its K and V rows (K x H values each) copied to their slot in
