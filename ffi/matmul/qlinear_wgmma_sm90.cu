@@ -70,10 +70,6 @@ namespace wgmma_kernel {
 #ifndef JAXGPU_QLINEAR_WG_BT
 #define JAXGPU_QLINEAR_WG_BT 256
 #endif
-// 1: the K split count chosen to fill the last wave (LaunchTyped), 0: to fill one wave.
-#ifndef JAXGPU_QLINEAR_WG_WAVES
-#define JAXGPU_QLINEAR_WG_WAVES 0
-#endif
 // A fragment buffers (MMA groups in flight a warpgroup: this minus one waited for).
 #ifndef JAXGPU_QLINEAR_WG_BUFS
 #define JAXGPU_QLINEAR_WG_BUFS 2
@@ -423,17 +419,6 @@ cudaError_t LaunchTyped(const QLinearParams& p, cudaStream_t stream, int device,
   if (max_splits > by_ws) max_splits = by_ws;
   if (max_splits > kMaxSplits) max_splits = kMaxSplits;
   int64_t splits = base < sms ? sms / base : 1;
-  if (JAXGPU_QLINEAR_WG_WAVES) {
-    // Candidate rule (not yet measured): the split count whose blocks fill their last wave
-    // best (8192 x 28672 at M = 16: 112 blocks leave 20 of 132 SMs idle; 7 splits fill 6
-    // waves to 99%), fewer splits on a tie.
-    double best = 0;
-    for (int64_t c = 1; c <= max_splits; ++c) {
-      const int64_t blocks = base * c, waves = CeilDiv(blocks, sms);
-      const double fill = double(blocks) / double(waves * sms);
-      if (fill > best + 0.02) best = fill, splits = c;
-    }
-  }
   if (splits > max_splits) splits = max_splits;
   if (splits < 1) splits = 1;
   a.tiles_per_split = int(CeilDiv(a.kt, splits));
