@@ -8,6 +8,9 @@
 //   /tmp/dc                      # correctness, then the speed table
 //   /tmp/dc --case 32,8,128,8,32768,1,int8 --iters 3   # one case (e.g. under ncu)
 //   /tmp/dc --case 4,1,256,1,4096,1,bf16,8,511        # at most 8 splits, window 511
+//   /tmp/dc --no-time --page-size 24                   # the checks over 24-slot pages
+// Built with -DJAXGPU_DEV_KNOBS=1, JAXGPU_DECODE_TMA=-1 runs a 16-bit cache through the
+// cp.async ring instead of the copy engine's (on an sm_90a build and device).
 //
 // Correctness: random pools with each row's pages shuffled, ragged lengths (one row of
 // length 0), Tq 1..16, GQA / MQA, H 64..256, bf16 / f16 / int8 / e4m3 caches with per-token
@@ -52,7 +55,8 @@ namespace {
 
 using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
-constexpr int kPageSize = 16;
+// Slots a page (--page-size; 16 unless given): a multiple of 8.
+int g_page_size = 16;
 constexpr int kTargetBlocks = 4 * 132;  // jaxgpu/ops/decode.py's workspace bound
 constexpr int kMinSplitPages = 4;
 constexpr int kMaxSplits = 64;
@@ -90,8 +94,8 @@ struct Problem {
   int64_t ValueBytes() const { return jaxgpu::DTypeBytes(c.kv_dtype, 1); }
   double Stored(const std::vector<uint8_t>& raw, const std::vector<float>& scale, int64_t page,
                 int64_t slot, int64_t kvh, int64_t i) const {
-    const int64_t at = ((page * kPageSize + slot) * c.k + kvh) * c.h + i;
-    const int64_t token = (page * kPageSize + slot) * c.k + kvh;
+    const int64_t at = ((page * g_page_size + slot) * c.k + kvh) * c.h + i;
+    const int64_t token = (page * g_page_size + slot) * c.k + kvh;
     if (c.kv_dtype == DType::kS8) return double(int8_t(raw[at])) * scale[token];
     if (c.kv_dtype == DType::kF8E4M3) {
       __nv_fp8_e4m3 f;
@@ -107,7 +111,7 @@ struct Problem {
 Problem Build(const Case& c, std::mt19937& rng, bool fill_random) {
   Problem pr;
   pr.c = c;
-  const int64_t pages_per_row = (c.length + kPageSize - 1) / kPageSize + 1;  // a spare column
+  const int64_t pages_per_row = (c.length + g_page_size - 1) / g_page_size + 1;  // a spare column
   pr.max_pages = pages_per_row;
   pr.pages = c.b * pages_per_row;
   // Each row owns pages_per_row pages of the pool, in a shuffled order; a table entry past
@@ -121,8 +125,8 @@ Problem Build(const Case& c, std::mt19937& rng, bool fill_random) {
   for (int r = 0; r < c.b; ++r) {
     pr.lengths[r] = int32_t(c.ragged ? (r == 0 ? 0 : ulen(rng)) : c.length);
   }
-  const int64_t values = pr.pages * kPageSize * c.k * c.h;
-  const int64_t tokens = pr.pages * kPageSize * c.k;
+  const int64_t values = pr.pages * g_page_size * c.k * c.h;
+  const int64_t tokens = pr.pages * g_page_size * c.k;
   const bool q8 = c.kv_dtype == DType::kS8 || c.kv_dtype == DType::kF8E4M3;
   pr.k_raw.resize(values * pr.ValueBytes());
   pr.v_raw.resize(values * pr.ValueBytes());
@@ -170,7 +174,7 @@ Problem Build(const Case& c, std::mt19937& rng, bool fill_random) {
   p.kv_heads = c.k;
   p.head_dim = c.h;
   p.num_pages = pr.pages;
-  p.page_size = kPageSize;
+  p.page_size = g_page_size;
   p.max_pages = pr.max_pages;
   p.num_splits = c.splits > 0 ? c.splits : NumSplits(int64_t(c.b) * c.k, pr.max_pages);
   p.scale = float(1.0 / std::sqrt(double(c.h)));
@@ -266,7 +270,7 @@ double Check(Problem& pr, bool* reproducible) {
         logits.clear();
         double top = -INFINITY, vmax = 0;
         for (int64_t j = lo; j <= pos && len > 0; ++j) {
-          const int64_t page = pr.table[r * pr.max_pages + j / kPageSize], slot = j % kPageSize;
+          const int64_t page = pr.table[r * pr.max_pages + j / g_page_size], slot = j % g_page_size;
           double dot = 0;
           for (int i = 0; i < c.h; ++i) {
             dot +=
@@ -281,7 +285,7 @@ double Check(Problem& pr, bool* reproducible) {
         double sum = 0;
         for (size_t idx = 0; idx < logits.size(); ++idx) {
           const int64_t j = lo + int64_t(idx);
-          const int64_t page = pr.table[r * pr.max_pages + j / kPageSize], slot = j % kPageSize;
+          const int64_t page = pr.table[r * pr.max_pages + j / g_page_size], slot = j % g_page_size;
           const double w = std::exp(logits[idx] - top);
           sum += w;
           for (int i = 0; i < c.h; ++i) {
@@ -527,13 +531,15 @@ int main(int argc, char** argv) {
       check = false;
     else if (a == "--no-time")
       time = false;
+    else if (a == "--page-size" && i + 1 < argc)
+      g_page_size = std::atoi(argv[++i]);
     else if (a == "--iters" && i + 1 < argc)
       iters = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc)
       cases.push_back(ParseCase(argv[++i])), check = false;
     else {
       std::printf(
-          "usage: %s [--no-check] [--no-time] [--iters N] [--case N,K,H,B,L,Tq,cache,splits,window]\n",
+          "usage: %s [--no-check] [--no-time] [--page-size S] [--iters N] [--case N,K,H,B,L,Tq,cache,splits,window]\n",
           argv[0]);
       return 2;
     }
