@@ -981,11 +981,14 @@ bool EncodePoolMaps(const PagedAttentionParams& p, CUtensorMap* k_map, CUtensorM
 }
 #endif
 
-// At H 256 a block of few tiles runs the cp.async ring: with the copy engine's ring the
-// short calls measured 0.5-1 us slower (H200, tools/decode_check, a call from a CUDA graph:
-// 4/1 B 1 L 4k 14.0 -> 15.0 us, window 511 9.8 -> 10.3; 4/1 B 8 L 4k, 5 tiles a block,
-// 29.5 -> 30.8 us direct), where at H <= 128 they ran the same and long splits gain at every H.
-constexpr int kTmaMinTilesH256 = 9;
+// At H 256 a block of fewer than 32 tiles runs the cp.async ring: with the copy engine's
+// ring the short calls measured 0.5-1 us slower (H200, tools/decode_check, a call from a
+// CUDA graph: 4/1 B 1 L 4k 14.0 -> 15.0 us, window 511 9.8 -> 10.3; 4/1 B 8 L 4k, 5 tiles a
+// block, 29.5 -> 30.8 us direct), while splits of 33 tiles or more ran Tq 1 within 1% and
+// Tq 8 10-14% faster (bench_decode's H 256 cases, 22d23f8 -> fea2f9d). In between nothing
+// was measured, and the Gemma decode steps' calls (Gemma 2 2b at B 8: 17 tiles a split)
+// keep the ring that bench_model measured. At H <= 128 short calls ran the same either way.
+constexpr int kTmaMinTilesH256 = 32;
 
 template <typename T, typename KV, int kHD, int kMT, bool kTma>
 cudaError_t LaunchInstance(const PagedAttentionParams& p, int64_t rows_per_kv, int64_t blocks,
