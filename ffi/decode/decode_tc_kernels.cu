@@ -249,25 +249,22 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
 // Shared-memory address of 16-byte chunk `chunk` (head dims 8 chunk ..) of key row `row` in
 // a kTma tile: column block chunk / 8 (64 head dims), 128 bytes a row, the chunk's index
 // XOR the row's index mod 8 (the copy engine's 128-byte swizzle).
-template <int kHD>
 __device__ __forceinline__ uint32_t SwizzledChunk(uint32_t tile, int row, int chunk) {
   return tile + (chunk >> 3) * (kKeys * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
 }
 
 // sm80::LoadBNk / LoadBKn over a kTma tile: the same lanes' rows and chunks, swizzled.
-template <int kHD>
 __device__ __forceinline__ void LoadBNkSwizzled(uint32_t (&b)[4], uint32_t tile, int n0, int k0,
                                                 int lane) {
   const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
   const int chunk = (k0 >> 3) + ((lane >> 3) & 1);
-  sm80::Ldmatrix4(b, SwizzledChunk<kHD>(tile, row, chunk));
+  sm80::Ldmatrix4(b, SwizzledChunk(tile, row, chunk));
 }
-template <int kHD>
 __device__ __forceinline__ void LoadBKnSwizzled(uint32_t (&b)[4], uint32_t tile, int k0, int n0,
                                                 int lane) {
   const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
   const int chunk = (n0 >> 3) + (lane >> 4);
-  sm80::Ldmatrix4Trans(b, SwizzledChunk<kHD>(tile, row, chunk));
+  sm80::Ldmatrix4Trans(b, SwizzledChunk(tile, row, chunk));
 }
 
 // kTma (16-bit caches on sm_90a): the K and V tiles arrive by the copy engine (tensor maps
@@ -500,7 +497,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       const int32_t pos = tile_key0 + key;
       if (((ok_mask >> key) & 1u) == 0u) {
         asm volatile(
-            "st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(SwizzledChunk<kHD>(vt, row, chunk)),
+            "st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(SwizzledChunk(vt, row, chunk)),
             "r"(0u)
             : "memory");
       } else if (any_new && pos >= new_first && chunk * 8 < H) {
@@ -508,11 +505,11 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         const uint4 k = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.k_new) + at_new);
         const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.v_new) + at_new);
         asm volatile(
-            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk<kHD>(kt, row, chunk)),
+            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(kt, row, chunk)),
             "r"(k.x), "r"(k.y), "r"(k.z), "r"(k.w)
             : "memory");
         asm volatile(
-            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk<kHD>(vt, row, chunk)),
+            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(vt, row, chunk)),
             "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
             : "memory");
       }
@@ -690,7 +687,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         const int col = slice * kSlice + kk * 16;
         uint32_t b[4];
         if constexpr (kTma) {
-          LoadBNkSwizzled<kHD>(b, att::SmemAddress(k_raw), key0, col, lane);
+          LoadBNkSwizzled(b, att::SmemAddress(k_raw), key0, col, lane);
         } else {
           sm80::LoadBNk<kHD>(b, k_tile, key0, col, lane);
         }
@@ -876,7 +873,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       for (int nn = 0; nn < kSlice / 16; ++nn) {
         uint32_t b[4];
         if constexpr (kTma) {
-          LoadBKnSwizzled<kHD>(b, att::SmemAddress(v_raw), key0, slice * kSlice + nn * 16, lane);
+          LoadBKnSwizzled(b, att::SmemAddress(v_raw), key0, slice * kSlice + nn * 16, lane);
         } else {
           sm80::LoadBKn<kHD>(b, v_tile, key0, slice * kSlice + nn * 16, lane);
         }
