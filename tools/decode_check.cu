@@ -323,11 +323,14 @@ int RunChecks() {
     int64_t length;
     int tq;
   };
+  // The last two: H 256 over splits of 32 tiles or more (one split: 65 and 35 tiles), the
+  // copy engine's ring at H 256 (4 head-dim slices; 2 with Tq 8's two m-tiles).
   const Shape shapes[] = {
       {32, 8, 128, 3, 700, 1}, {32, 8, 128, 3, 700, 8},  {8, 1, 128, 2, 513, 8},
       {8, 1, 64, 3, 300, 16},  {16, 8, 256, 2, 900, 1},  {32, 8, 256, 2, 400, 8},
       {4, 4, 96, 3, 257, 3},   {16, 2, 128, 1, 4100, 1}, {16, 2, 128, 1, 4100, 5},
-      {8, 8, 40, 2, 130, 2},   {8, 1, 256, 2, 300, 8},   {4, 1, 256, 2, 333, 5}};
+      {8, 8, 40, 2, 130, 2},   {8, 1, 256, 2, 300, 8},   {4, 1, 256, 2, 333, 5},
+      {4, 1, 256, 1, 4100, 1}, {16, 2, 256, 1, 2200, 8}};
   const DType caches[] = {DType::kBF16, DType::kS8, DType::kF8E4M3};
   int failed = 0, cases = 0;
   for (const Shape& s : shapes) {

@@ -110,10 +110,20 @@ template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
     kSplitH == 1 ? kMinBlocksFor<KV, kHD, kMT> : (kIs8Bit<KV> && kMT == 1 ? 2 : 1);
 
+// The copy engine's ring without a barrier a tile (see PagedAttentionTcKernel): built with
+// -DJAXGPU_DECODE_COUNTED_RING=1 it replaces the ring that a __syncthreads a tile paces.
+// Off by default until it has run on a GPU (written 2026-12-02 without device time; not
+// yet measured): the default build keeps the measured ring (the same PTX instructions, a
+// few in another order). tools/decode_ab.sh checks and times the two builds in one call.
+#ifndef JAXGPU_DECODE_COUNTED_RING
+#define JAXGPU_DECODE_COUNTED_RING 0
+#endif
+
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
+//                                        (unused by the counted ring: its warps keep a mask)
 //   scale   kStages x {K, V} x kKeys f32 8-bit caches only
 //   swap    parts x (kWarps, 8 kMT, 32)  f32, head-dim slices only: the logit tiles handed
 //                                        over (1 part with 2 slices, 4 with 4)
@@ -269,14 +279,24 @@ __device__ __forceinline__ void LoadBKnSwizzled(uint32_t (&b)[4], uint32_t tile,
 
 // kTma (16-bit caches on sm_90a): the K and V tiles arrive by the copy engine (tensor maps
 // over the pools as (pages, page_size, K, H), boxes of 64 head dims x box_rows slots of one
-// page and kv head), one mbarrier a ring stage, issued by lanes of warp 0 (see the file's
-// header for why).
+// page and kv head) into a ring of kStages tiles with an mbarrier a stage, issued by
+// lanes of warp 0 after a __syncthreads a tile (kStages - 1 tiles in flight).
+// The counted ring (kCounted, JAXGPU_DECODE_COUNTED_RING) has no barrier a tile: a warp
+// waits only for its own stage to land, and when done with the stage counts itself out (a
+// shared counter a stage); the warp that counts last, having seen every other warp's
+// release, issues the stage's next tile, so all kStages tiles are in flight. Why: the
+// __syncthreads a tile (the warps waiting for the slowest, the next copy issued after it)
+// is the top stall on the H200 (Nsight Compute, 32/8 H 128 Tq 1 B 8 L 32k: 2.53 cycles an
+// issued instruction at a barrier, 0.34 eligible warps a scheduler, DRAM at 80.5% of its
+// peak). A producer warp of its own would cost the 32-row instances registers: 10 warps an
+// SM leave 3 on a scheduler, so 168 registers each (ptxas), and those spilled.
 template <typename T, typename KV, int kHD, int kMT, int kSplitH, bool kTma>
 __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, kSplitH>))
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles,
                            const __grid_constant__ CUtensorMap k_map,
                            const __grid_constant__ CUtensorMap v_map, int box_rows) {
   static_assert(!kTma || !kIs8Bit<KV>, "the copy-engine ring is for 16-bit caches");
+  constexpr bool kCounted = kTma && JAXGPU_DECODE_COUNTED_RING;
   using L = Layout<T, KV, kHD, kMT, kSplitH, kTma>;
   constexpr int kBlockThreads = kThreads * kSplitH;
   constexpr int kSlice = kHD / kSplitH;  // head dims of a warp's products
@@ -296,6 +316,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   unsigned char* const smem =
       kTma ? smem_base + ((1024u - (att::SmemAddress(smem_base) & 1023u)) & 1023u) : smem_base;
   __shared__ __align__(8) uint64_t s_full[kTma ? kStages : 1];  // kTma: a stage's tiles landed
+  // kCounted: warps done with a stage, over all its tiles so far (tile it's last warp
+  // counts up to (it / kStages + 1) x the block's warps).
+  __shared__ int32_t s_released[kCounted ? kStages : 1];
   M* s_q = reinterpret_cast<M*>(smem + L::kQ);
   __shared__ uint32_t s_qmax;  // the largest |q| of the block's rows, as float bits
   int32_t* s_ok = reinterpret_cast<int32_t*>(smem + L::kOk);
@@ -438,25 +461,34 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     }
   };
 
-  // kTma: tile `it`'s keys flags (threads 0-63, a key each) and its boxes (lanes of warp 0,
-  // a page segment of box_rows keys each: 64 / box_rows segments, box_rows dividing the
-  // page size or a multiple of 64, so that no segment crosses a page). A segment whose
-  // first key is past the split or whose page entry is out of range is not copied; its rows
-  // keep stale bytes, which the warps zero or mask before use (fix_tile below). Lane 0
-  // announces the bytes of every box issued, then the lanes issue them.
-  auto issue_tile_tma = [&](int it) {
+  // kTma: this lane's page segment of tile `it`, box_rows keys (64 / box_rows segments,
+  // box_rows dividing the page size or a multiple of 64, so that no segment crosses a
+  // page): its page entry, or -1 past the split. The counted ring reads it a tile ahead of
+  // the copy's issue (by every warp: which one issues is known only at its release), so
+  // that the issuing warp does not wait on the table.
+  auto segment_page = [&](int it) -> int32_t {
+    const int32_t pos = begin + it * kKeys + int32_t(lane) * box_rows;
+    return lane < kKeys / box_rows && pos < end ? table[pos / S] : -1;
+  };
+
+  // kTma, one warp: tile `it`'s boxes, a segment a lane (`page` from segment_page). A
+  // segment whose first key is past the split or whose page entry is out of range is not
+  // copied; its rows keep stale bytes, which the warps zero or mask before use (fix_tile
+  // below: a key is valid exactly when its segment was copied and it lies before the
+  // split's end). Lane 0 announces the bytes of every box issued, then the lanes issue them.
+  // Without kCounted, called by every thread: threads 0-63 also write the keys' flags, and
+  // warp 0 reads its pages here (`page` unused).
+  auto issue_tile_tma = [&](int it, int32_t page) {
     const int stage = it % kStages;
     const int32_t tile_first = begin + it * kKeys;
-    if (threadIdx.x < kKeys) {
+    if (!kCounted && threadIdx.x < kKeys) {
       const int32_t pos = tile_first + int32_t(threadIdx.x);
-      const int32_t page = pos < end ? table[pos / S] : -1;
-      s_ok[stage * kKeys + threadIdx.x] = page >= 0 && page < p.num_pages ? 1 : 0;
+      const int32_t key_page = pos < end ? table[pos / S] : -1;
+      s_ok[stage * kKeys + threadIdx.x] = key_page >= 0 && key_page < p.num_pages ? 1 : 0;
     }
-    if (threadIdx.x < 32) {
-      const int segments = kKeys / box_rows;
+    if (kCounted || threadIdx.x < 32) {
+      if constexpr (!kCounted) page = segment_page(it);
       const int32_t pos = tile_first + int32_t(lane) * box_rows;
-      int32_t page = -1;
-      if (lane < segments && pos < end) page = table[pos / S];
       const bool copy = page >= 0 && page < p.num_pages;
       const uint32_t copies = __popc(__ballot_sync(0xffffffffu, copy));
       if (lane == 0) {
@@ -477,16 +509,30 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     }
   };
 
+  // kTma: this warp's 16 keys of tile `it` (key0 ..), a bit each: in the split and on a
+  // valid page, the copy engine's rule. The counted ring's warps read it from the block
+  // table themselves (shared flags would need a barrier between their writer and the
+  // warps); otherwise from the flags issue_tile_tma wrote.
+  auto tile_ok_mask = [&](int it, int stage, int key0) -> uint32_t {
+    bool ok;
+    if constexpr (kCounted) {
+      const int32_t pos = begin + it * kKeys + key0 + lane;
+      const int32_t page = lane < 16 && pos < end ? table[pos / S] : -1;
+      ok = page >= 0 && page < p.num_pages;
+    } else {
+      ok = lane < 16 && s_ok[stage * kKeys + key0 + lane] != 0;
+    }
+    return __ballot_sync(0xffffffffu, ok) & 0xffffu;
+  };
+
   // kTma: this warp's 16 keys of tile `it`, its slice's head dims, once the stage landed.
   // Rows the copy engine did not write, or past the split, hold stale bytes: their V rows
   // are zeroed (their logits are masked, so stale K is harmless, but 0 x a stale NaN in V
   // would not be). paged_attention_with_update's new tokens are copied in from k_new /
   // v_new. Only this warp reads these rows and columns; the proxy fence orders the writes
-  // before the copy engine's next ones into the stage.
-  auto fix_tile = [&](int it, int stage, int key0) {
+  // before the copy engine's next ones into the stage (after this warp releases it).
+  auto fix_tile = [&](int it, int stage, int key0, uint32_t ok_mask) {
     const int32_t tile_key0 = begin + it * kKeys + key0;
-    const bool mine_ok = lane < 16 && s_ok[stage * kKeys + key0 + lane] != 0;
-    const uint32_t ok_mask = __ballot_sync(0xffffffffu, mine_ok) & 0xffffu;
     const bool any_new = fused && tile_key0 + 15 >= new_first && tile_key0 < end;
     if (ok_mask == 0xffffu && !any_new) return;
     constexpr int kSliceChunks = kSlice / 8;
@@ -574,26 +620,49 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
                    : "memory");
     }
   }
-  if constexpr (kTma) {
-    if (threadIdx.x == 0) {
+  if constexpr (kCounted) {
+    // Warp 0 fills the whole ring; the block's one barrier before the merge makes the
+    // barriers' initialization and the query's rows visible to every warp.
+    if (threadIdx.x < 32) {
+      if (lane == 0) {
 #pragma unroll
-      for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(&s_full[stage], 1);
-      sm90::FenceBarrierInit();
-    }
-    __syncthreads();
-  }
+        for (int stage = 0; stage < kStages; ++stage) {
+          sm90::MbarrierInit(&s_full[stage], 1);
+          s_released[stage] = 0;
+        }
+        sm90::FenceBarrierInit();
+      }
+      __syncwarp();
 #pragma unroll
-  for (int it = 0; it < kStages - 1; ++it) {
-    if (it < num_tiles) {
-      if constexpr (kTma) {
-        issue_tile_tma(it);
-      } else {
-        load_tile(it);
+      for (int it = 0; it < kStages; ++it) {
+        if (it < num_tiles) issue_tile_tma(it, segment_page(it));
       }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
+    asm volatile("cp.async.wait_group 0;\n" ::: "memory");
+    __syncthreads();
+  } else {
+    if constexpr (kTma) {
+      if (threadIdx.x == 0) {
+#pragma unroll
+        for (int stage = 0; stage < kStages; ++stage) sm90::MbarrierInit(&s_full[stage], 1);
+        sm90::FenceBarrierInit();
+      }
+      __syncthreads();
+    }
+#pragma unroll
+    for (int it = 0; it < kStages - 1; ++it) {
+      if (it < num_tiles) {
+        if constexpr (kTma) {
+          issue_tile_tma(it, -1);
+        } else {
+          load_tile(it);
+        }
+      }
+      asm volatile("cp.async.commit_group;\n" ::: "memory");
+    }
+    if constexpr (kTma) __syncthreads();  // the first tiles' key flags, read by fix_tile
   }
-  if constexpr (kTma) __syncthreads();  // the first tiles' key flags, read by fix_tile
   if (fused && split == p.num_splits - 1 && tile == 0) {
     AppendNewTokens<KV>(p, r, kvh, pool_base, len, kBlockThreads);
   }
@@ -627,12 +696,21 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % kStages;
     const int key0 = warp * 16;  // this warp's keys of the tile
-    if constexpr (kTma) {
+    uint32_t ok_mask = 0u;       // kTma: this warp's keys' flags
+    int32_t next_page = -1;      // kCounted: this lane's segment of tile it + kStages
+    if constexpr (kCounted) {
+      // The table reads overlap the wait.
+      ok_mask = tile_ok_mask(it, stage, key0);
+      if (it + kStages < num_tiles) next_page = segment_page(it + kStages);
+      sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
+      fix_tile(it, stage, key0, ok_mask);
+    } else if constexpr (kTma) {
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // the query
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
-      fix_tile(it, stage, key0);
+      ok_mask = tile_ok_mask(it, stage, key0);
+      fix_tile(it, stage, key0, ok_mask);
       __syncthreads();  // tile `it` landed and fixed; tile it - 1 is consumed
-      if (it + kStages - 1 < num_tiles) issue_tile_tma(it + kStages - 1);
+      if (it + kStages - 1 < num_tiles) issue_tile_tma(it + kStages - 1, -1);
     } else {
       asm volatile("cp.async.wait_group %0;\n" ::"n"(kStages - 2) : "memory");
       __syncthreads();  // tile `it` landed for every thread; tile it - 1 is consumed
@@ -704,7 +782,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       // The four slices' partial logits: each slice hands its part over, then every slice
       // adds the four parts in the same order (a named barrier per key group's 4 warps), so
       // that all run the same softmax on the same values. The next tile's hand-over waits
-      // for the main loop's __syncthreads, after every read of this one.
+      // for every read of this one: the main loop's __syncthreads, or in the counted ring
+      // (no such barrier) a second named barrier.
       constexpr int kPart = kWarps * 8 * kMT * 32;  // floats of one slice's hand-over
       float* swap = reinterpret_cast<float*>(smem + L::kSwap) + warp * (8 * kMT * 32) + lane;
       float* flat = &s[0][0][0];
@@ -716,6 +795,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         flat[e] = ((swap[e * 32] + swap[kPart + e * 32]) + swap[2 * kPart + e * 32]) +
                   swap[3 * kPart + e * 32];
       }
+      if constexpr (kCounted) asm volatile("bar.sync %0, 128;\n" ::"r"(1 + warp) : "memory");
     }
     if constexpr (kSplitH == 2) {
       // The two slices' partial logits: slice 1 hands its half over, slice 0 adds it and
@@ -755,7 +835,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     for (int c = 0; c < 4; ++c) {
       const int kl =
           kIs8Bit<KV> ? ColumnKey8(c >> 1, 2 * t4 + (c & 1)) : (c >> 1) * 8 + 2 * t4 + (c & 1);
-      key_ok[c] = s_ok[stage * kKeys + key0 + kl] != 0;
+      key_ok[c] = kCounted ? ((ok_mask >> kl) & 1u) != 0u : s_ok[stage * kKeys + key0 + kl] != 0;
       key_at[c] = tile_key0 + kl;
       if constexpr (kIs8Bit<KV>) {
         key_scale[c] = s_scale[(stage * 2 + 0) * kKeys + key0 + kl];
@@ -882,6 +962,25 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
           sm80::MmaType<M>::Mma(acc[mi][2 * nn], pa[0][mi], b[0], b[1]);
           sm80::MmaType<M>::Mma(acc[mi][2 * nn + 1], pa[0][mi], b[2], b[3]);
         }
+      }
+    }
+    if constexpr (kCounted) {
+      // This warp's reads of the stage are done (their registers are in the products):
+      // count it out; the last warp refills the stage. The fences make the other warps'
+      // reads (and fix_tile's writes) of the stage happen before the copy engine's writes.
+      __syncwarp();
+      int last = 0;
+      if (lane == 0) {
+        __threadfence_block();
+        const int done = atomicAdd(&s_released[stage], 1) + 1;
+        last = done == (it / kStages + 1) * kWarps * kSplitH;
+        if (last) __threadfence_block();
+      }
+      if (__shfl_sync(0xffffffffu, last, 0) && it + kStages < num_tiles) {
+#if JAXGPU_WGMMA_DEVICE
+        asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+        issue_tile_tma(it + kStages, next_page);
       }
     }
   }
