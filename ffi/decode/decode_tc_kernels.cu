@@ -24,6 +24,8 @@
 // chunks, one table lookup per key. On the H200 (bf16, 32/8, H 128, Tq 1, B 8 L 32k) the
 // cp.async ring read 3.2 TB/s, the copy engine's 3.8 (89% of the measured copy rate), where
 // cuDNN's decode reads ~4.2: a warp's 16-byte copies keep too few bytes in flight an SM.
+// A build with JAXGPU_DECODE_COUNTED_RING=1 (not yet measured) paces that ring without a
+// barrier a tile and sends 8-bit caches at H 128 and 256 through it too.
 //
 // 8-bit cache. The raw tile (half the bytes) lands in the ring (16-byte chunks swizzled
 // within each key row, see SwizzleK / SwizzleV), and each thread widens its own fragments
@@ -111,20 +113,30 @@ constexpr int kBlocksFor =
     kSplitH == 1 ? kMinBlocksFor<KV, kHD, kMT> : (kIs8Bit<KV> && kMT == 1 ? 2 : 1);
 
 // The copy engine's ring without a barrier a tile (see PagedAttentionTcKernel): built with
-// -DJAXGPU_DECODE_COUNTED_RING=1 it replaces the ring that a __syncthreads a tile paces.
+// -DJAXGPU_DECODE_COUNTED_RING=1 it replaces the ring that a __syncthreads a tile paces,
+// and also takes the 8-bit caches at H 128 and 256 with one m-tile (kTma8Takes).
 // Off by default until it has run on a GPU (written 2026-12-02 without device time; not
-// yet measured): the default build keeps the measured ring (the same PTX instructions, a
-// few in another order). tools/decode_ab.sh checks and times the two builds in one call.
+// yet measured): the default build keeps the measured rings (the same code paths; their
+// PTX moved a few integer instructions). tools/decode_ab.sh checks and times the two
+// builds in one call.
 #ifndef JAXGPU_DECODE_COUNTED_RING
 #define JAXGPU_DECODE_COUNTED_RING 0
 #endif
+
+// The 8-bit caches' copy-engine ring (counted ring only): a key row of a slice is 128 bytes,
+// one row of the engine's 128-byte swizzle, under which the fragment reads below (keys in
+// the mma's natural order) hit distinct banks; with 16 rows (one m-tile) its flags and
+// scales live in registers, and 4 blocks an SM still fit at H 128 (55 KB a block).
+template <typename KV, int kHD, int kMT>
+constexpr bool kTma8Takes = JAXGPU_DECODE_COUNTED_RING && kIs8Bit<KV> && kHD >= 128 && kMT == 1;
 
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
-//                                        (unused by the counted ring: its warps keep a mask)
-//   scale   kStages x {K, V} x kKeys f32 8-bit caches only
+//                                        (unused by the counted ring: its warps keep a mask;
+//                                        none over an 8-bit cache by the copy engine)
+//   scale   kStages x {K, V} x kKeys f32 8-bit caches by cp.async only
 //   swap    parts x (kWarps, 8 kMT, 32)  f32, head-dim slices only: the logit tiles handed
 //                                        over (1 part with 2 slices, 4 with 4)
 // After the loop the ring (and what follows it) holds the warps' states for the merge.
@@ -134,17 +146,20 @@ struct Layout {
   static constexpr int kRows = 16 * kMT;
   static constexpr int kStride = sm80::SmemTile<kHD>::kStride;
   // Bytes of a K or V tile: 8-bit raw rows; 16-bit padded rows (cp.async), or with kTma the
-  // copy engine's 128-byte-swizzled layout (kHD / 64 column blocks of 64 rows x 128 bytes,
-  // each 1024-byte aligned: the ring starts at a multiple of 1024 from an aligned base).
+  // copy engine's 128-byte-swizzled layout (kHD x sizeof(KV) / 128 column blocks of 64 rows
+  // x 128 bytes, each 1024-byte aligned: the ring starts at a multiple of 1024 from an
+  // aligned base).
   static constexpr int kRawTile =
       kIs8Bit<KV> ? kKeys * kHD : (kTma ? kKeys * kHD * 2 : kKeys * kStride * 2);
   static constexpr int kQ = 0;
   static constexpr int kRing =
       kTma ? (kQ + kRows * kStride * 2 + 1023) / 1024 * 1024 : kQ + kRows * kStride * 2;
   static constexpr int kStageBytes = 2 * kRawTile;
+  // The 8-bit copy-engine ring keeps its keys' flags and scales in registers.
+  static constexpr bool kFlagsInSmem = !(kTma && kIs8Bit<KV>);
   static constexpr int kOk = kRing + kStages * kStageBytes;
-  static constexpr int kScale = kOk + kStages * kKeys * 4;
-  static constexpr int kSwap = kScale + (kIs8Bit<KV> ? kStages * 2 * kKeys * 4 : 0);
+  static constexpr int kScale = kOk + (kFlagsInSmem ? kStages * kKeys * 4 : 0);
+  static constexpr int kSwap = kScale + (kIs8Bit<KV> && kFlagsInSmem ? kStages * 2 * kKeys * 4 : 0);
   // Two slices hand one part over (slice 1's), four hand all four.
   static constexpr int kSwapParts = kSplitH == 1 ? 0 : (kSplitH == 2 ? 1 : kSplitH);
   static constexpr int kUsed = kSwap + kSwapParts * kWarps * 8 * kMT * 32 * 4;
@@ -259,8 +274,11 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
 // Shared-memory address of 16-byte chunk `chunk` (head dims 8 chunk ..) of key row `row` in
 // a kTma tile: column block chunk / 8 (64 head dims), 128 bytes a row, the chunk's index
 // XOR the row's index mod 8 (the copy engine's 128-byte swizzle).
+__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
+  return (chunk >> 3) * (kKeys * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+}
 __device__ __forceinline__ uint32_t SwizzledChunk(uint32_t tile, int row, int chunk) {
-  return tile + (chunk >> 3) * (kKeys * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
+  return tile + SwizzledOffset(row, chunk);
 }
 
 // sm80::LoadBNk / LoadBKn over a kTma tile: the same lanes' rows and chunks, swizzled.
@@ -295,8 +313,10 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     PagedAttentionTcKernel(const PagedAttentionParams p, int64_t rows_per_kv, int row_tiles,
                            const __grid_constant__ CUtensorMap k_map,
                            const __grid_constant__ CUtensorMap v_map, int box_rows) {
-  static_assert(!kTma || !kIs8Bit<KV>, "the copy-engine ring is for 16-bit caches");
+  static_assert(!kTma || !kIs8Bit<KV> || kTma8Takes<KV, kHD, kMT>,
+                "the copy-engine ring over an 8-bit cache: counted ring, H >= 128, one m-tile");
   constexpr bool kCounted = kTma && JAXGPU_DECODE_COUNTED_RING;
+  constexpr bool kTma8 = kTma && kIs8Bit<KV>;  // keys in natural order, flags in registers
   using L = Layout<T, KV, kHD, kMT, kSplitH, kTma>;
   constexpr int kBlockThreads = kThreads * kSplitH;
   constexpr int kSlice = kHD / kSplitH;  // head dims of a warp's products
@@ -478,6 +498,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // split's end). Lane 0 announces the bytes of every box issued, then the lanes issue them.
   // Without kCounted, called by every thread: threads 0-63 also write the keys' flags, and
   // warp 0 reads its pages here (`page` unused).
+  constexpr int kBoxValues = 128 / int(sizeof(KV));  // a box's columns: 128 bytes
+  constexpr int kColumnBlocks = kHD / kBoxValues;
   auto issue_tile_tma = [&](int it, int32_t page) {
     const int stage = it % kStages;
     const int32_t tile_first = begin + it * kKeys;
@@ -493,17 +515,18 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       const uint32_t copies = __popc(__ballot_sync(0xffffffffu, copy));
       if (lane == 0) {
         sm90::MbarrierArriveExpectTx(&s_full[stage],
-                                     copies * uint32_t(box_rows) * 128u * (kHD / 64) * 2u);
+                                     copies * uint32_t(box_rows) * 128u * kColumnBlocks * 2u);
       }
       __syncwarp();
       if (copy) {
         const int slot = pos - (pos / S) * S;
         const int b = int(pool_base) + page;
 #pragma unroll
-        for (int cb = 0; cb < kHD / 64; ++cb) {
+        for (int cb = 0; cb < kColumnBlocks; ++cb) {
           const int at = cb * kKeys * 128 + lane * box_rows * 128;
-          sm90::TmaLoadBox(ring_k(stage) + at, &k_map, &s_full[stage], 64 * cb, int(kvh), slot, b);
-          sm90::TmaLoadBox(ring_v(stage) + at, &v_map, &s_full[stage], 64 * cb, int(kvh), slot, b);
+          const int col = cb * kBoxValues;
+          sm90::TmaLoadBox(ring_k(stage) + at, &k_map, &s_full[stage], col, int(kvh), slot, b);
+          sm90::TmaLoadBox(ring_v(stage) + at, &v_map, &s_full[stage], col, int(kvh), slot, b);
         }
       }
     }
@@ -525,6 +548,22 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     return __ballot_sync(0xffffffffu, ok) & 0xffffu;
   };
 
+  // kTma8: tile_ok_mask's flags, and in `scale` lane l's key (l & 15)'s K scale (lanes
+  // 0-15) or V scale (lanes 16-31), 0 where the key is not valid (a stale scale could be
+  // NaN, and 0 x NaN is not 0). Scales (Gp, P, S, K): the token's index in the pool, times
+  // K, plus the kv head.
+  auto tile_keys8 = [&](int it, int key0, float* scale) -> uint32_t {
+    const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
+    const int32_t page = pos < end ? table[pos / S] : -1;
+    const bool ok = page >= 0 && page < p.num_pages;
+    *scale = 0.f;
+    if (ok) {
+      const int64_t token = (pool_base + page) * S + (pos - (pos / S) * S);
+      *scale = (lane < 16 ? p.k_scale : p.v_scale)[token * K + kvh];
+    }
+    return __ballot_sync(0xffffffffu, ok) & 0xffffu;
+  };
+
   // kTma: this warp's 16 keys of tile `it`, its slice's head dims, once the stage landed.
   // Rows the copy engine did not write, or past the split, hold stale bytes: their V rows
   // are zeroed (their logits are masked, so stale K is harmless, but 0 x a stale NaN in V
@@ -535,7 +574,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     const int32_t tile_key0 = begin + it * kKeys + key0;
     const bool any_new = fused && tile_key0 + 15 >= new_first && tile_key0 < end;
     if (ok_mask == 0xffffu && !any_new) return;
-    constexpr int kSliceChunks = kSlice / 8;
+    constexpr int kSliceChunks = kSlice * int(sizeof(KV)) / 16;
     const uint32_t kt = att::SmemAddress(ring_k(stage)), vt = att::SmemAddress(ring_v(stage));
     for (int i = lane; i < 16 * kSliceChunks; i += 32) {
       const int key = i / kSliceChunks, chunk = slice * kSliceChunks + i % kSliceChunks;
@@ -546,18 +585,20 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
             "st.shared.v4.b32 [%0], {%1, %1, %1, %1};\n" ::"r"(SwizzledChunk(vt, row, chunk)),
             "r"(0u)
             : "memory");
-      } else if (any_new && pos >= new_first && chunk * 8 < H) {
-        const int64_t at_new = new_base + int64_t(pos) * token_stride + chunk * 8;
-        const uint4 k = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.k_new) + at_new);
-        const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.v_new) + at_new);
-        asm volatile(
-            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(kt, row, chunk)),
-            "r"(k.x), "r"(k.y), "r"(k.z), "r"(k.w)
-            : "memory");
-        asm volatile(
-            "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(vt, row, chunk)),
-            "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
-            : "memory");
+      } else if constexpr (!kIs8Bit<KV>) {  // the fused call's caches are 16-bit
+        if (any_new && pos >= new_first && chunk * 8 < H) {
+          const int64_t at_new = new_base + int64_t(pos) * token_stride + chunk * 8;
+          const uint4 k = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.k_new) + at_new);
+          const uint4 v = *reinterpret_cast<const uint4*>(static_cast<const KV*>(p.v_new) + at_new);
+          asm volatile(
+              "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(kt, row, chunk)),
+              "r"(k.x), "r"(k.y), "r"(k.z), "r"(k.w)
+              : "memory");
+          asm volatile(
+              "st.shared.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"r"(SwizzledChunk(vt, row, chunk)),
+              "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w)
+              : "memory");
+        }
       }
     }
 #if JAXGPU_WGMMA_DEVICE
@@ -698,9 +739,14 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     const int key0 = warp * 16;  // this warp's keys of the tile
     uint32_t ok_mask = 0u;       // kTma: this warp's keys' flags
     int32_t next_page = -1;      // kCounted: this lane's segment of tile it + kStages
+    float scale8 = 0.f;          // kTma8: a scale of this lane's key (tile_keys8)
     if constexpr (kCounted) {
-      // The table reads overlap the wait.
-      ok_mask = tile_ok_mask(it, stage, key0);
+      // The table (and kTma8's scale) reads overlap the wait.
+      if constexpr (kTma8) {
+        ok_mask = tile_keys8(it, key0, &scale8);
+      } else {
+        ok_mask = tile_ok_mask(it, stage, key0);
+      }
       if (it + kStages < num_tiles) next_page = segment_page(it + kStages);
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
       fix_tile(it, stage, key0, ok_mask);
@@ -725,7 +771,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     float s[kMT][2][4];
     att::Zero(s);
     if constexpr (kIs8Bit<KV>) {
-      // Key ColumnKey8(j, g)'s bytes [c kSlice/4, (c + 1) kSlice/4) of the warp's slice, a
+      // Key ColumnKey8(j, g)'s (kTma8: key 8j + g's) bytes [c kSlice/4, (c + 1) kSlice/4) of
+      // the warp's slice, a
       // 16-byte chunk (4 k steps) at a time, widened in registers (QColumn8 ordered the
       // query's columns to match).
       constexpr int kParts = kSlice / 64;  // chunks of a thread's quarter of the slice
@@ -734,10 +781,15 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         uint4 raw[2];
 #pragma unroll
         for (int j = 0; j < 2; ++j) {
-          const int row = key0 + ColumnKey8(j, g);
           const int chunk = slice * (kSlice / 16) + t4 * kParts + part;
-          raw[j] = *reinterpret_cast<const uint4*>(k_raw + row * kHD +
-                                                   SwizzleK<kSlice>(row, chunk) * 16);
+          if constexpr (kTma8) {  // keys in natural order: rows 8j + g, the engine's swizzle
+            const int row = key0 + 8 * j + g;
+            raw[j] = *reinterpret_cast<const uint4*>(k_raw + SwizzledOffset(row, chunk));
+          } else {
+            const int row = key0 + ColumnKey8(j, g);
+            raw[j] = *reinterpret_cast<const uint4*>(k_raw + row * kHD +
+                                                     SwizzleK<kSlice>(row, chunk) * 16);
+          }
         }
 #pragma unroll
         for (int w = 0; w < 4; ++w) {
@@ -833,11 +885,14 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     int32_t key_at[4];
 #pragma unroll
     for (int c = 0; c < 4; ++c) {
-      const int kl =
-          kIs8Bit<KV> ? ColumnKey8(c >> 1, 2 * t4 + (c & 1)) : (c >> 1) * 8 + 2 * t4 + (c & 1);
+      const int kl = kIs8Bit<KV> && !kTma8 ? ColumnKey8(c >> 1, 2 * t4 + (c & 1))
+                                           : (c >> 1) * 8 + 2 * t4 + (c & 1);
       key_ok[c] = kCounted ? ((ok_mask >> kl) & 1u) != 0u : s_ok[stage * kKeys + key0 + kl] != 0;
       key_at[c] = tile_key0 + kl;
-      if constexpr (kIs8Bit<KV>) {
+      if constexpr (kTma8) {
+        key_scale[c] = __shfl_sync(0xffffffffu, scale8, kl);
+        value_scale[c] = __shfl_sync(0xffffffffu, scale8, 16 + kl);
+      } else if constexpr (kIs8Bit<KV>) {
         key_scale[c] = s_scale[(stage * 2 + 0) * kKeys + key0 + kl];
         value_scale[c] = s_scale[(stage * 2 + 1) * kKeys + key0 + kl];
       }
@@ -917,11 +972,14 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         uint32_t words[4][kWords];  // [key 4t + i][word]
 #pragma unroll
         for (int i = 0; i < 4; ++i) {
-          const int row = key0 + 4 * t4 + i;
           // The byte in the row, unswizzled.
           const int byte = slice * kSlice + (kSlice / 8) * g + part * kPartBytes;
+          // kTma8: keys in natural order (P V's k indices 2t, 2t + 1, 2t + 8, 2t + 9), the
+          // engine's swizzle; otherwise ColumnKey8's keys 4t .. 4t + 3, SwizzleV.
+          const int row = kTma8 ? key0 + 2 * t4 + (i & 1) + 8 * (i >> 1) : key0 + 4 * t4 + i;
           const unsigned char* at =
-              v_raw + row * kHD + SwizzleV<kSlice>(row, byte / 16) * 16 + byte % 16;
+              kTma8 ? v_raw + SwizzledOffset(row, byte / 16) + byte % 16
+                    : v_raw + row * kHD + SwizzleV<kSlice>(row, byte / 16) * 16 + byte % 16;
           if constexpr (kWords == 4) {
             const uint4 v = *reinterpret_cast<const uint4*>(at);
             words[i][0] = v.x, words[i][1] = v.y, words[i][2] = v.z, words[i][3] = v.w;
@@ -1057,8 +1115,8 @@ int ChooseSplits(int64_t base_blocks, int64_t slots, int max_splits, int64_t max
 // box_rows slots of one page: 64 when the page size is a multiple of 64, the page size when
 // it divides 64, else 8 (page sizes are multiples of 8). JAXGPU_DECODE_TMA=-1 (a dev-knob
 // build) keeps the cp.async ring, for A/B timings.
-bool EncodePoolMaps(const PagedAttentionParams& p, CUtensorMap* k_map, CUtensorMap* v_map,
-                    int* box_rows) {
+bool EncodePoolMaps(const PagedAttentionParams& p, int elem_bytes, CUtensorMap* k_map,
+                    CUtensorMap* v_map, int* box_rows) {
   static const bool off = ReadDevKnob("JAXGPU_DECODE_TMA").ints[0] < 0;
   if (off) return false;
   int device = 0, major = 0, minor = 0;
@@ -1072,8 +1130,9 @@ bool EncodePoolMaps(const PagedAttentionParams& p, CUtensorMap* k_map, CUtensorM
   const int64_t S = p.page_size;
   *box_rows = S % kKeys == 0 ? kKeys : (kKeys % S == 0 ? int(S) : 8);
   const int64_t pages = p.page_groups * p.num_pages, K = p.kv_heads, H = p.head_dim;
-  return sm90::EncodeRowsTensorMap(k_map, p.k_pages, 2, pages, S, K, H, K * H, *box_rows) &&
-         sm90::EncodeRowsTensorMap(v_map, p.v_pages, 2, pages, S, K, H, K * H, *box_rows);
+  return sm90::EncodeRowsTensorMap(k_map, p.k_pages, elem_bytes, pages, S, K, H, K * H,
+                                   *box_rows) &&
+         sm90::EncodeRowsTensorMap(v_map, p.v_pages, elem_bytes, pages, S, K, H, K * H, *box_rows);
 }
 #endif
 
@@ -1139,9 +1198,9 @@ cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t st
   CUtensorMap k_map{}, v_map{};
   int box_rows = 0;
 #ifdef JAXGPU_HAS_SM90A
-  if constexpr (!kIs8Bit<KV>) {
+  if constexpr (!kIs8Bit<KV> || kTma8Takes<KV, kHD, kMT>) {
     const bool long_splits = kHD < 256 || CeilDiv(max_tiles, p->num_splits) >= kTmaMinTilesH256;
-    if (long_splits && EncodePoolMaps(*p, &k_map, &v_map, &box_rows)) {
+    if (long_splits && EncodePoolMaps(*p, int(sizeof(KV)), &k_map, &v_map, &box_rows)) {
       return LaunchInstance<T, KV, kHD, kMT, true>(*p, rows_per_kv, blocks, int(row_tiles), k_map,
                                                    v_map, box_rows, stream);
     }

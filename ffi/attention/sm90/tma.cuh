@@ -43,10 +43,10 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
   return encode;
 }
 
-// A 4-d tensor map over a (B, L, heads, dim) tensor of `elem_bytes`-byte elements (2: 16-bit,
-// whose bits are only moved; 4: float32, which the copy engine's reductions add) with row
-// stride `ld` elements (heads * dim when packed), for boxes of (128 bytes of columns, 1,
-// rows, 1) with the 128-byte swizzle. False when the driver has no cuTensorMapEncodeTiled or
+// A 4-d tensor map over a (B, L, heads, dim) tensor of `elem_bytes`-byte elements (1 and 2:
+// 8- and 16-bit, whose bits are only moved; 4: float32, which the copy engine's reductions
+// add) with row stride `ld` elements (heads * dim when packed), for boxes of (128 bytes of
+// columns, 1, rows, 1) with the 128-byte swizzle. False when the driver has no cuTensorMapEncodeTiled or
 // the tensor breaks the engine's rules (base 16-byte aligned, strides multiples of 16 bytes,
 // dims within 2^32): the caller keeps another path.
 inline bool EncodeRowsTensorMap(CUtensorMap* map, const void* base, int elem_bytes, int64_t batch,
@@ -63,12 +63,13 @@ inline bool EncodeRowsTensorMap(CUtensorMap* map, const void* base, int elem_byt
                                  cuuint64_t(len * ld * elem_bytes)};
   const cuuint32_t box[4] = {cuuint32_t(128 / elem_bytes), 1, cuuint32_t(rows), 1};
   const cuuint32_t unit[4] = {1, 1, 1, 1};
-  return encode(
-             map,
-             elem_bytes == 4 ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32 : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16,
-             4, const_cast<void*>(base), dims, strides, box, unit, CU_TENSOR_MAP_INTERLEAVE_NONE,
-             CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-             CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+  const CUtensorMapDataType type = elem_bytes == 4   ? CU_TENSOR_MAP_DATA_TYPE_FLOAT32
+                                   : elem_bytes == 1 ? CU_TENSOR_MAP_DATA_TYPE_UINT8
+                                                     : CU_TENSOR_MAP_DATA_TYPE_BFLOAT16;
+  return encode(map, type, 4, const_cast<void*>(base), dims, strides, box, unit,
+                CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B,
+                CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // The 16-bit q, k, v of the attention kernels: boxes of (64, 1, rows, 1).
