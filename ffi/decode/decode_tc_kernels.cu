@@ -61,6 +61,7 @@
 #include "common/dev_knobs.h"
 #include "decode/decode_slot.cuh"
 #include "decode/decode_split.cuh"
+#include "decode/decode_tc_fragments.cuh"
 
 namespace jaxgpu::cuda::decode {
 namespace {
@@ -71,7 +72,6 @@ namespace sm90 = ::jaxgpu::cuda::attention::sm90;
 
 constexpr int kThreads = 128;          // per head-dim slice (kSplitH slices a block)
 constexpr int kWarps = kThreads / 32;  // key groups: warp w % kWarps takes 16 keys a tile
-constexpr int kKeys = 64;              // keys per tile: 16 per key group
 // Values per copied chunk: 16 bytes (8 of 16-bit, 16 of 8-bit; an 8-bit row whose H is
 // not a multiple of 16 copies each chunk as two 8-byte halves, its rows being 8-aligned).
 template <typename KV>
@@ -171,79 +171,6 @@ struct Layout {
   static_assert(kBytes <= 227 * 1024, "a block's shared memory fits an SM");
 };
 
-// The 8-bit tiles' swizzles: the 16-byte chunk a row's chunk `chunk` is stored at, so that
-// the fragment reads below hit distinct banks (kS: the head dims of a warp's slice, whose
-// chunks the swizzle keeps within the slice). K: a quarter-warp's lanes read rows
-// ColumnKey8's 2j + {0, 1} at chunk c (kS/64) + part of the slice for quads c = 0..3 (one
-// chunk a lane, 128-bit loads); V: rows 4c + i at chunk (kS/128) g + part for g in a lane
-// pair (kS 64: 8 bytes of chunk g/2, a half-warp a wavefront: 2 ways remain).
-template <int kS>
-__device__ __forceinline__ int SwizzleK(int row, int chunk) {
-  if constexpr (kS == 64) return chunk;
-  if constexpr (kS == 128) return chunk ^ (row & 1);
-  return chunk ^ ((row & 1) | (((chunk >> 3) & 1) << 1));
-}
-
-template <int kS>
-__device__ __forceinline__ int SwizzleV(int row, int chunk) {
-  const int c = (row >> 2) & 3;
-  if constexpr (kS == 64) return chunk ^ c;
-  if constexpr (kS == 128) return chunk ^ (2 * c);
-  return chunk ^ ((c & 1) | ((c & 2) << 1));
-}
-
-// The query tile's column of head dim `hd` over an 8-bit cache, within its slice of kS head
-// dims: mma k step kk, index 2c + e (e < 2) holds the slice's head dim c kS/4 + 4 kk + e and
-// 2c + 8 + e holds c kS/4 + 4 kk + 2 + e, so that a thread's K fragments are the contiguous
-// bytes [c kS/4, (c + 1) kS/4) of the slice of a key.
-template <int kS>
-__device__ __forceinline__ int QColumn8(int hd) {
-  const int base = hd / kS * kS, local = hd % kS;
-  const int c = local / (kS / 4), rest = local % (kS / 4);
-  const int kk = rest / 4, j = rest % 4;
-  return base + 16 * kk + 8 * (j >> 1) + 2 * c + (j & 1);
-}
-
-// The warp-local key (0..15) of S column `col` (0..7) of n-tile j over an 8-bit cache: keys
-// 4c .. 4c + 3 are then P V's k indices 2c, 2c + 1, 2c + 8, 2c + 9, the ones thread quad c
-// multiplies, so that its V fragment bytes come from 4 consecutive keys.
-__device__ __forceinline__ int ColumnKey8(int j, int col) {
-  return 4 * (col >> 1) + 2 * j + (col & 1);
-}
-
-// The head dim (within the warp's slice of kS) of output column `col` (0..7) of P V's n-tile
-// nt over an 8-bit cache: lane group g supplies [g kS/8, (g + 1) kS/8), nt = 4 x (word of
-// those) + byte.
-template <int kS>
-__device__ __forceinline__ int OutputColumn8(int nt, int col) {
-  return (kS / 8) * col + nt;
-}
-
-// Two consecutive 8-bit values of a word (bytes 2i, 2i + 1) as a half2, exactly (int8 and
-// e4m3 values all are halfs): e4m3 pairs by one cvt; int8 (flipped by ^ 0x80 beforehand, so
-// that byte b reads b + 128) by the magic-number trick, the byte placed under half's 0x64
-// exponent byte being 1024 + b + 128, then one subtraction of 1152.
-template <typename KV>
-__device__ __forceinline__ uint32_t WidenPair(uint32_t word, int i) {
-  if constexpr (std::is_same_v<KV, int8_t>) {
-    const uint32_t magic = __byte_perm(word, 0x64u, i == 0 ? 0x4140 : 0x4342);
-    const __half2 v = __hsub2(*reinterpret_cast<const __half2*>(&magic),
-                              __halves2half2(__ushort_as_half(0x6480), __ushort_as_half(0x6480)));
-    return *reinterpret_cast<const uint32_t*>(&v);
-  } else {
-    const __half2_raw h =
-        __nv_cvt_fp8x2_to_halfraw2(__nv_fp8x2_storage_t(word >> (16 * i)), __NV_E4M3);
-    return *reinterpret_cast<const uint32_t*>(&h);
-  }
-}
-
-// What WidenPair expects of a raw word: int8 bytes flipped to b + 128.
-template <typename KV>
-__device__ __forceinline__ uint32_t Prepare8(uint32_t word) {
-  if constexpr (std::is_same_v<KV, int8_t>) return word ^ 0x80808080u;
-  return word;
-}
-
 // paged_attention_with_update: row r's Tq new tokens of kv head kvh written to their slots
 // (positions len - Tq + t; a position outside [0, M x S) or on a page entry outside [0, P)
 // is skipped, as paged_kv_update skips it), in 16-byte vectors by the block's threads. One
@@ -269,30 +196,6 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
     char* to = static_cast<char*>(is_v ? p.v_pages_out : p.k_pages_out) + dst;
     reinterpret_cast<uint4*>(to)[vec] = reinterpret_cast<const uint4*>(from)[vec];
   }
-}
-
-// Shared-memory address of 16-byte chunk `chunk` (head dims 8 chunk ..) of key row `row` in
-// a kTma tile: column block chunk / 8 (64 head dims), 128 bytes a row, the chunk's index
-// XOR the row's index mod 8 (the copy engine's 128-byte swizzle).
-__device__ __forceinline__ int SwizzledOffset(int row, int chunk) {
-  return (chunk >> 3) * (kKeys * 128) + row * 128 + (((chunk & 7) ^ (row & 7)) << 4);
-}
-__device__ __forceinline__ uint32_t SwizzledChunk(uint32_t tile, int row, int chunk) {
-  return tile + SwizzledOffset(row, chunk);
-}
-
-// sm80::LoadBNk / LoadBKn over a kTma tile: the same lanes' rows and chunks, swizzled.
-__device__ __forceinline__ void LoadBNkSwizzled(uint32_t (&b)[4], uint32_t tile, int n0, int k0,
-                                                int lane) {
-  const int row = n0 + (lane & 7) + ((lane >> 4) << 3);
-  const int chunk = (k0 >> 3) + ((lane >> 3) & 1);
-  sm80::Ldmatrix4(b, SwizzledChunk(tile, row, chunk));
-}
-__device__ __forceinline__ void LoadBKnSwizzled(uint32_t (&b)[4], uint32_t tile, int k0, int n0,
-                                                int lane) {
-  const int row = k0 + (lane & 7) + (((lane >> 3) & 1) << 3);
-  const int chunk = (n0 >> 3) + (lane >> 4);
-  sm80::Ldmatrix4Trans(b, SwizzledChunk(tile, row, chunk));
 }
 
 // kTma (16-bit caches on sm_90a): the K and V tiles arrive by the copy engine (tensor maps
