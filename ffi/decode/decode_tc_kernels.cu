@@ -117,7 +117,7 @@ constexpr int kBlocksFor =
 // and also takes the 8-bit caches at H 128 and 256 with one m-tile (kTma8Takes).
 // Off by default until it has run on a GPU (written 2026-12-02 without device time; not
 // yet measured): the default build keeps the measured rings (the same code paths; their
-// PTX moved a few integer instructions). tools/decode_ab.sh checks and times the two
+// PTX moved a few integer instructions). tools/check_ab.sh decode checks and times the two
 // builds in one call.
 #ifndef JAXGPU_DECODE_COUNTED_RING
 #define JAXGPU_DECODE_COUNTED_RING 0
