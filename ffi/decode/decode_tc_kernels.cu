@@ -1046,7 +1046,12 @@ bool EncodePoolMaps(const PagedAttentionParams& p, int elem_bytes, CUtensorMap* 
 // Tq 8 10-14% faster (bench_decode's H 256 cases, 22d23f8 -> fea2f9d). In between nothing
 // was measured, and the Gemma decode steps' calls (Gemma 2 2b at B 8: 17 tiles a split)
 // keep the ring that bench_model measured. At H <= 128 short calls ran the same either way.
-constexpr int kTmaMinTilesH256 = 32;
+// -DJAXGPU_DECODE_TMA_MIN_TILES_H256=1 sends every H 256 call to the copy engine's ring
+// (with the counted ring, whose short calls no longer wait at a barrier a tile: to measure).
+#ifndef JAXGPU_DECODE_TMA_MIN_TILES_H256
+#define JAXGPU_DECODE_TMA_MIN_TILES_H256 32
+#endif
+constexpr int kTmaMinTilesH256 = JAXGPU_DECODE_TMA_MIN_TILES_H256;
 
 template <typename T, typename KV, int kHD, int kMT, bool kTma>
 cudaError_t LaunchInstance(const PagedAttentionParams& p, int64_t rows_per_kv, int64_t blocks,
