@@ -116,9 +116,9 @@ constexpr int kBlocksFor =
 // -DJAXGPU_DECODE_COUNTED_RING=1 it replaces the ring that a __syncthreads a tile paces,
 // and also takes the 8-bit caches at H 128 and 256 with one m-tile (kTma8Takes).
 // Off by default until it has run on a GPU (written 2026-12-02 without device time; not
-// yet measured): the default build keeps the measured rings (the same code paths; their
-// PTX moved a few integer instructions). tools/check_ab.sh decode checks and times the two
-// builds in one call.
+// yet measured): the default build's PTX is the measured kernels' (identical but for the
+// anonymous namespace's per-compile hash). tools/check_ab.sh decode checks and times the
+// two builds in one call.
 #ifndef JAXGPU_DECODE_COUNTED_RING
 #define JAXGPU_DECODE_COUNTED_RING 0
 #endif
@@ -390,8 +390,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // the copy's issue (by every warp: which one issues is known only at its release), so
   // that the issuing warp does not wait on the table.
   auto segment_page = [&](int it) -> int32_t {
+    const int segments = kKeys / box_rows;
     const int32_t pos = begin + it * kKeys + int32_t(lane) * box_rows;
-    return lane < kKeys / box_rows && pos < end ? table[pos / S] : -1;
+    return lane < segments && pos < end ? table[pos / S] : -1;
   };
 
   // kTma, one warp: tile `it`'s boxes, a segment a lane (`page` from segment_page). A
@@ -475,6 +476,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // before the copy engine's next ones into the stage (after this warp releases it).
   auto fix_tile = [&](int it, int stage, int key0, uint32_t ok_mask) {
     const int32_t tile_key0 = begin + it * kKeys + key0;
+    if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0);
     const bool any_new = fused && tile_key0 + 15 >= new_first && tile_key0 < end;
     if (ok_mask == 0xffffu && !any_new) return;
     constexpr int kSliceChunks = kSlice * int(sizeof(KV)) / 16;
@@ -656,8 +658,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     } else if constexpr (kTma) {
       asm volatile("cp.async.wait_group 0;\n" ::: "memory");  // the query
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
-      ok_mask = tile_ok_mask(it, stage, key0);
-      fix_tile(it, stage, key0, ok_mask);
+      fix_tile(it, stage, key0, 0u);
       __syncthreads();  // tile `it` landed and fixed; tile it - 1 is consumed
       if (it + kStages - 1 < num_tiles) issue_tile_tma(it + kStages - 1, -1);
     } else {
