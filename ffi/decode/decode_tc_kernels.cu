@@ -474,6 +474,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // would not be). paged_attention_with_update's new tokens are copied in from k_new /
   // v_new. Only this warp reads these rows and columns; the proxy fence orders the writes
   // before the copy engine's next ones into the stage (after this warp releases it).
+  // `ok_mask`: the counted ring's flags (tile_ok_mask, tile_keys8); the other ring reads
+  // them here.
   auto fix_tile = [&](int it, int stage, int key0, uint32_t ok_mask) {
     const int32_t tile_key0 = begin + it * kKeys + key0;
     if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0);
