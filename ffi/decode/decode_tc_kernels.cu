@@ -678,9 +678,8 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     att::Zero(s);
     if constexpr (kIs8Bit<KV>) {
       // Key ColumnKey8(j, g)'s (kTma8: key 8j + g's) bytes [c kSlice/4, (c + 1) kSlice/4) of
-      // the warp's slice, a
-      // 16-byte chunk (4 k steps) at a time, widened in registers (QColumn8 ordered the
-      // query's columns to match).
+      // the warp's slice, a 16-byte chunk (4 k steps) at a time, widened in registers
+      // (QColumn8 ordered the query's columns to match).
       constexpr int kParts = kSlice / 64;  // chunks of a thread's quarter of the slice
 #pragma unroll
       for (int part = 0; part < kParts; ++part) {
