@@ -5,7 +5,8 @@
 # speed table ROUNDS times, the builds interleaved (clock and thermal drift hit both alike).
 # Run on the GPU machine:
 #   bash tools/check_ab.sh decode      # B: the counted copy-engine ring (the default DEFS_B)
-#   DEFS_B="-DJAXGPU_QLINEAR_GEMV_KS8=4 -DJAXGPU_QLINEAR_GEMV_DEPTH8=1" bash tools/check_ab.sh qlinear
+#   DEFS_B="-DJAXGPU_QLINEAR_GEMV_KS8=4 -DJAXGPU_QLINEAR_GEMV_DEPTH8=1" \
+#     bash tools/check_ab.sh qlinear
 #   TIME_ARGS="--case 32,8,128,8,32768,1" ROUNDS=3 bash tools/check_ab.sh decode
 # Writes $OUT/build_{a,b}.log, check_b.log, time_a.log and time_b.log (rounds appended).
 set -uo pipefail

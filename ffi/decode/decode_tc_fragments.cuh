@@ -101,7 +101,7 @@ __device__ __forceinline__ uint32_t SwizzledChunk(uint32_t tile, int row, int ch
   return tile + SwizzledOffset(row, chunk);
 }
 
-// ::jaxgpu::cuda::attention::sm80::LoadBNk / LoadBKn over a kTma tile: the same lanes' rows and chunks, swizzled.
+// sm80::LoadBNk / LoadBKn over a kTma tile: the same lanes' rows and chunks, swizzled.
 __device__ __forceinline__ void LoadBNkSwizzled(uint32_t (&b)[4], uint32_t tile, int n0, int k0,
                                                 int lane) {
   const int row = n0 + (lane & 7) + ((lane >> 4) << 3);

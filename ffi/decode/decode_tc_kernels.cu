@@ -134,8 +134,7 @@ constexpr bool kTma8Takes = JAXGPU_DECODE_COUNTED_RING && kIs8Bit<KV> && kHD >= 
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
 //   ring    kStages x {K, V}             (kKeys, kHD + 8) T, or (kKeys, kHD) KV raw
 //   ok      kStages x kKeys int32        1 where the key is in the split and its page valid
-//                                        (unused by the counted ring: its warps keep a mask;
-//                                        none over an 8-bit cache by the copy engine)
+//                                        (none in the counted ring: its warps keep a mask)
 //   scale   kStages x {K, V} x kKeys f32 8-bit caches by cp.async only
 //   swap    parts x (kWarps, 8 kMT, 32)  f32, head-dim slices only: the logit tiles handed
 //                                        over (1 part with 2 slices, 4 with 4)
@@ -155,8 +154,8 @@ struct Layout {
   static constexpr int kRing =
       kTma ? (kQ + kRows * kStride * 2 + 1023) / 1024 * 1024 : kQ + kRows * kStride * 2;
   static constexpr int kStageBytes = 2 * kRawTile;
-  // The 8-bit copy-engine ring keeps its keys' flags and scales in registers.
-  static constexpr bool kFlagsInSmem = !(kTma && kIs8Bit<KV>);
+  // The counted ring keeps its keys' flags (and an 8-bit cache's scales) in registers.
+  static constexpr bool kFlagsInSmem = !(kTma && JAXGPU_DECODE_COUNTED_RING);
   static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + (kFlagsInSmem ? kStages * kKeys * 4 : 0);
   static constexpr int kSwap = kScale + (kIs8Bit<KV> && kFlagsInSmem ? kStages * 2 * kKeys * 4 : 0);
@@ -437,33 +436,27 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   };
 
   // kTma: this warp's 16 keys of tile `it` (key0 ..), a bit each: in the split and on a
-  // valid page, the copy engine's rule. The counted ring's warps read it from the block
-  // table themselves (shared flags would need a barrier between their writer and the
-  // warps); otherwise from the flags issue_tile_tma wrote.
-  auto tile_ok_mask = [&](int it, int stage, int key0) -> uint32_t {
+  // valid page, the copy engine's rule. The counted ring's warps read them from the block
+  // table themselves, lane l for key l & 15 (shared flags would need a barrier between
+  // their writer and the warps); otherwise from the flags issue_tile_tma wrote. kTma8 also
+  // sets `scale8` to lane l's key's K scale (lanes 0-15) or V scale (16-31), 0 where the key
+  // is not valid (a stale scale could be NaN, and 0 x NaN is not 0); scales (Gp, P, S, K):
+  // the token's index in the pool, times K, plus the kv head.
+  auto tile_ok_mask = [&](int it, int stage, int key0, float* scale8) -> uint32_t {
     bool ok;
     if constexpr (kCounted) {
-      const int32_t pos = begin + it * kKeys + key0 + lane;
-      const int32_t page = lane < 16 && pos < end ? table[pos / S] : -1;
+      const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
+      const int32_t page = pos < end ? table[pos / S] : -1;
       ok = page >= 0 && page < p.num_pages;
+      if constexpr (kTma8) {
+        *scale8 = 0.f;
+        if (ok) {
+          const int64_t token = (pool_base + page) * S + (pos - (pos / S) * S);
+          *scale8 = (lane < 16 ? p.k_scale : p.v_scale)[token * K + kvh];
+        }
+      }
     } else {
       ok = lane < 16 && s_ok[stage * kKeys + key0 + lane] != 0;
-    }
-    return __ballot_sync(0xffffffffu, ok) & 0xffffu;
-  };
-
-  // kTma8: tile_ok_mask's flags, and in `scale` lane l's key (l & 15)'s K scale (lanes
-  // 0-15) or V scale (lanes 16-31), 0 where the key is not valid (a stale scale could be
-  // NaN, and 0 x NaN is not 0). Scales (Gp, P, S, K): the token's index in the pool, times
-  // K, plus the kv head.
-  auto tile_keys8 = [&](int it, int key0, float* scale) -> uint32_t {
-    const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
-    const int32_t page = pos < end ? table[pos / S] : -1;
-    const bool ok = page >= 0 && page < p.num_pages;
-    *scale = 0.f;
-    if (ok) {
-      const int64_t token = (pool_base + page) * S + (pos - (pos / S) * S);
-      *scale = (lane < 16 ? p.k_scale : p.v_scale)[token * K + kvh];
     }
     return __ballot_sync(0xffffffffu, ok) & 0xffffu;
   };
@@ -474,11 +467,11 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // would not be). paged_attention_with_update's new tokens are copied in from k_new /
   // v_new. Only this warp reads these rows and columns; the proxy fence orders the writes
   // before the copy engine's next ones into the stage (after this warp releases it).
-  // `ok_mask`: the counted ring's flags (tile_ok_mask, tile_keys8); the other ring reads
-  // them here.
+  // `ok_mask`: the counted ring's flags (tile_ok_mask, read before the wait); the other
+  // ring reads them here.
   auto fix_tile = [&](int it, int stage, int key0, uint32_t ok_mask) {
     const int32_t tile_key0 = begin + it * kKeys + key0;
-    if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0);
+    if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0, nullptr);
     const bool any_new = fused && tile_key0 + 15 >= new_first && tile_key0 < end;
     if (ok_mask == 0xffffu && !any_new) return;
     constexpr int kSliceChunks = kSlice * int(sizeof(KV)) / 16;
@@ -646,14 +639,10 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     const int key0 = warp * 16;  // this warp's keys of the tile
     uint32_t ok_mask = 0u;       // kTma: this warp's keys' flags
     int32_t next_page = -1;      // kCounted: this lane's segment of tile it + kStages
-    float scale8 = 0.f;          // kTma8: a scale of this lane's key (tile_keys8)
+    float scale8 = 0.f;          // kTma8: a scale of this lane's key (tile_ok_mask)
     if constexpr (kCounted) {
       // The table (and kTma8's scale) reads overlap the wait.
-      if constexpr (kTma8) {
-        ok_mask = tile_keys8(it, key0, &scale8);
-      } else {
-        ok_mask = tile_ok_mask(it, stage, key0);
-      }
+      ok_mask = tile_ok_mask(it, stage, key0, &scale8);
       if (it + kStages < num_tiles) next_page = segment_page(it + kStages);
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
       fix_tile(it, stage, key0, ok_mask);

@@ -46,9 +46,9 @@ inline PFN_cuTensorMapEncodeTiled_v12000 TensorMapEncoder() {
 // A 4-d tensor map over a (B, L, heads, dim) tensor of `elem_bytes`-byte elements (1 and 2:
 // 8- and 16-bit, whose bits are only moved; 4: float32, which the copy engine's reductions
 // add) with row stride `ld` elements (heads * dim when packed), for boxes of (128 bytes of
-// columns, 1, rows, 1) with the 128-byte swizzle. False when the driver has no cuTensorMapEncodeTiled or
-// the tensor breaks the engine's rules (base 16-byte aligned, strides multiples of 16 bytes,
-// dims within 2^32): the caller keeps another path.
+// columns, 1, rows, 1) with the 128-byte swizzle. False when the driver has no
+// cuTensorMapEncodeTiled or the tensor breaks the engine's rules (base 16-byte aligned,
+// strides multiples of 16 bytes, dims within 2^32): the caller keeps another path.
 inline bool EncodeRowsTensorMap(CUtensorMap* map, const void* base, int elem_bytes, int64_t batch,
                                 int64_t len, int64_t heads, int64_t dim, int64_t ld, int rows) {
   const PFN_cuTensorMapEncodeTiled_v12000 encode = TensorMapEncoder();
