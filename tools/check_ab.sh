@@ -4,7 +4,7 @@
 # DEFS_B), runs B's float64 checks once per argument set in CHECK_RUNS, then each build's
 # speed table ROUNDS times, the builds interleaved (clock and thermal drift hit both alike).
 # Run on the GPU machine:
-#   bash tools/check_ab.sh decode      # B: the counted copy-engine ring (the default DEFS_B)
+#   bash tools/check_ab.sh decode      # A: every instance on the barrier ring; B: as shipped
 #   DEFS_B="-DJAXGPU_QLINEAR_GEMV_KS8=4 -DJAXGPU_QLINEAR_GEMV_DEPTH8=1" \
 #     bash tools/check_ab.sh qlinear
 #   TIME_ARGS="--case 32,8,128,8,32768,1" ROUNDS=3 bash tools/check_ab.sh decode
@@ -18,20 +18,22 @@ case "$family" in
   decode)
     sources="tools/decode_check.cu ffi/decode/decode_kernels.cu ffi/decode/decode_tc_kernels.cu
       ffi/decode/decode_update_kernels.cu"
-    default_b="-DJAXGPU_DECODE_COUNTED_RING=1"
+    default_a="-DJAXGPU_DECODE_COUNTED_RING=0"
+    default_b=""
     # The copy engine's three box rules: page size 16 (a box a page), 24 (8-slot boxes), 128
     # (64-slot boxes, two a page).
     default_checks="--no-time --page-size 16;--no-time --page-size 24;--no-time --page-size 128"
     default_time="--no-check" ;;
   qlinear)
     sources="tools/qlinear_check.cu ffi/matmul/qlinear_kernels.cu ffi/matmul/qlinear_wgmma_sm90.cu"
+    default_a=""
     default_b=""
     default_checks="--no-time;--no-time --gemv;--no-time --wgmma"
     default_time="--time-only --gemv" ;;
   *) echo "family: decode or qlinear" >&2; exit 2 ;;
 esac
 NVCC=${NVCC:-nvcc}
-DEFS_A=${DEFS_A:-}
+DEFS_A=${DEFS_A:-$default_a}
 DEFS_B=${DEFS_B:-$default_b}
 CHECK_RUNS=${CHECK_RUNS:-$default_checks}
 TIME_ARGS=${TIME_ARGS:-$default_time}

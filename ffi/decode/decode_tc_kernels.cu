@@ -24,8 +24,9 @@
 // chunks, one table lookup per key. On the H200 (bf16, 32/8, H 128, Tq 1, B 8 L 32k) the
 // cp.async ring read 3.2 TB/s, the copy engine's 3.8 (89% of the measured copy rate), where
 // cuDNN's decode reads ~4.2: a warp's 16-byte copies keep too few bytes in flight an SM.
-// A build with JAXGPU_DECODE_COUNTED_RING=1 (not yet measured) paces that ring without a
-// barrier a tile and sends 8-bit caches at H 128 and 256 through it too.
+// Where measured faster (kCountedFor) that ring is paced without a barrier a tile, and
+// 8-bit caches at H 128 and 256 with one m-tile go through it too (int8 32/8 H 128 Tq 1 B 8
+// L 32k: 239 -> 228 us; e4m3 231 -> 216).
 //
 // 8-bit cache. The raw tile (half the bytes) lands in the ring (16-byte chunks swizzled
 // within each key row, see SwizzleK / SwizzleV), and each thread widens its own fragments
@@ -112,23 +113,33 @@ template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
     kSplitH == 1 ? kMinBlocksFor<KV, kHD, kMT> : (kIs8Bit<KV> && kMT == 1 ? 2 : 1);
 
-// The copy engine's ring without a barrier a tile (see PagedAttentionTcKernel): built with
-// -DJAXGPU_DECODE_COUNTED_RING=1 it replaces the ring that a __syncthreads a tile paces,
-// and also takes the 8-bit caches at H 128 and 256 with one m-tile (kTma8Takes).
-// Off by default until it has run on a GPU (written 2026-12-02 without device time; not
-// yet measured): the default build's PTX is the measured kernels' (identical but for the
-// anonymous namespace's per-compile hash). tools/check_ab.sh decode checks and times the
-// two builds in one call.
+// Which instances pace the copy engine's ring by counting (see PagedAttentionTcKernel)
+// instead of a __syncthreads a tile: measured on the H200 (tools/check_ab.sh decode,
+// tools/decode_check, bf16 unless said, us, barrier ring -> counted, two rounds alike):
+//   one m-tile, one slice (H <= 128, Tq x N/K <= 16): 32/8 H128 Tq 1 B 8 L 32k 289 -> 283,
+//     B 64 2168 -> 2121, L 128k 1096 -> 1074, 8/1 B 64 296 -> 285;
+//   two m-tiles, one slice (H <= 128, 32 rows): 32/8 H128 Tq 8 B 8 354 -> 364, B 64 2601 ->
+//     2659 (slower: kept on the barrier ring);
+//   four slices (H 256, one m-tile): 32/8 H256 Tq 1 B 8 792 -> 824 (slower: kept);
+//   two slices (H 256, two m-tiles): Tq 8 B 8 922 -> 900.
+// The 8-bit caches' copy-engine ring is built on the counted one only (kTma8Takes).
+// -DJAXGPU_DECODE_COUNTED_RING=0 builds every instance on the barrier ring, 1 every one on
+// the counted ring, for such A/B timings; unset, the measured choice above.
 #ifndef JAXGPU_DECODE_COUNTED_RING
-#define JAXGPU_DECODE_COUNTED_RING 0
+#define JAXGPU_DECODE_COUNTED_RING -1
 #endif
+template <int kMT, int kSplitH>
+constexpr bool kCountedFor = JAXGPU_DECODE_COUNTED_RING >= 0
+                                 ? JAXGPU_DECODE_COUNTED_RING != 0
+                                 : (kSplitH == 1 && kMT == 1) || kSplitH == 2;
 
 // The 8-bit caches' copy-engine ring (counted ring only): a key row of a slice is 128 bytes,
 // one row of the engine's 128-byte swizzle, under which the fragment reads below (keys in
 // the mma's natural order) hit distinct banks; with 16 rows (one m-tile) its flags and
 // scales live in registers, and 4 blocks an SM still fit at H 128 (55 KB a block).
 template <typename KV, int kHD, int kMT>
-constexpr bool kTma8Takes = JAXGPU_DECODE_COUNTED_RING && kIs8Bit<KV> && kHD >= 128 && kMT == 1;
+constexpr bool kTma8Takes =
+    kIs8Bit<KV> && kHD >= 128 && kMT == 1 && kCountedFor<kMT, kSplitHFor<KV, kHD, kMT>>;
 
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
@@ -155,7 +166,7 @@ struct Layout {
       kTma ? (kQ + kRows * kStride * 2 + 1023) / 1024 * 1024 : kQ + kRows * kStride * 2;
   static constexpr int kStageBytes = 2 * kRawTile;
   // The counted ring keeps its keys' flags (and an 8-bit cache's scales) in registers.
-  static constexpr bool kFlagsInSmem = !(kTma && JAXGPU_DECODE_COUNTED_RING);
+  static constexpr bool kFlagsInSmem = !(kTma && kCountedFor<kMT, kSplitH>);
   static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + (kFlagsInSmem ? kStages * kKeys * 4 : 0);
   static constexpr int kSwap = kScale + (kIs8Bit<KV> && kFlagsInSmem ? kStages * 2 * kKeys * 4 : 0);
@@ -201,7 +212,7 @@ __device__ __forceinline__ void AppendNewTokens(const PagedAttentionParams& p, i
 // over the pools as (pages, page_size, K, H), boxes of 64 head dims x box_rows slots of one
 // page and kv head) into a ring of kStages tiles with an mbarrier a stage, issued by
 // lanes of warp 0 after a __syncthreads a tile (kStages - 1 tiles in flight).
-// The counted ring (kCounted, JAXGPU_DECODE_COUNTED_RING) has no barrier a tile: a warp
+// The counted ring (kCounted, see kCountedFor) has no barrier a tile: a warp
 // waits only for its own stage to land, and when done with the stage counts itself out (a
 // shared counter a stage); the warp that counts last, having seen every other warp's
 // release, issues the stage's next tile, so all kStages tiles are in flight. Why: the
@@ -217,12 +228,12 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
                            const __grid_constant__ CUtensorMap v_map, int box_rows) {
   static_assert(!kTma || !kIs8Bit<KV> || kTma8Takes<KV, kHD, kMT>,
                 "the copy-engine ring over an 8-bit cache: counted ring, H >= 128, one m-tile");
-  constexpr bool kCounted = kTma && JAXGPU_DECODE_COUNTED_RING;
+  constexpr bool kCounted = kTma && kCountedFor<kMT, kSplitH>;
   constexpr bool kTma8 = kTma && kIs8Bit<KV>;  // keys in natural order, flags in registers
   using L = Layout<T, KV, kHD, kMT, kSplitH, kTma>;
   constexpr int kBlockThreads = kThreads * kSplitH;
   constexpr int kSlice = kHD / kSplitH;  // head dims of a warp's products
-  // The products' type: the query's, or half over an 8-bit cache (see WidenToHalf8; the
+  // The products' type: the query's, or half over an 8-bit cache (see WidenPair; the
   // query is scaled by a power of two into half's range, exactly but for components below
   // half's normal range, 2^-14 of the largest).
   using M = std::conditional_t<kIs8Bit<KV>, __half, T>;
