@@ -101,13 +101,21 @@ constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
 // (16 warps an SM, 108 registers): on the H200 (tools/decode_check, bf16, Tq 1; 2 -> 4
 // slices) 32/8 B 8 L 32k 844 -> 781 us, 8/4 B 64 L 4k 426 -> 399 us, 8/4 B 8 L 4k 68 -> 66
 // us, the B 1 calls within 0.2 us. An 8-bit cache at H 256 (a 96 KB ring) runs 2 blocks of 2
-// slices an SM. -DJAXGPU_DECODE_H256_SLICES=2 builds the 2-slice blocks for such A/B timings.
+// slices an SM. The copy engine's ring (kTma) at one m-tile runs 2 slices on the counted
+// ring (kCountedFor), which measured faster than 4 on the barrier ring (H200, decode_check,
+// 32/8 B 8 L 32k Tq 1: 789 -> 729 us). -DJAXGPU_DECODE_H256_SLICES and _H256_TMA_SLICES
+// (2 or 4) build the other counts for such A/B timings.
 #ifndef JAXGPU_DECODE_H256_SLICES
 #define JAXGPU_DECODE_H256_SLICES 4
 #endif
-template <typename KV, int kHD, int kMT>
+#ifndef JAXGPU_DECODE_H256_TMA_SLICES
+#define JAXGPU_DECODE_H256_TMA_SLICES 2
+#endif
+template <typename KV, int kHD, int kMT, bool kTma>
 constexpr int kSplitHFor =
-    kHD != 256 ? 1 : (!kIs8Bit<KV> && kMT == 1 ? JAXGPU_DECODE_H256_SLICES : 2);
+    kHD != 256 || kIs8Bit<KV> || kMT != 1
+        ? (kHD != 256 ? 1 : 2)
+        : (kTma ? JAXGPU_DECODE_H256_TMA_SLICES : JAXGPU_DECODE_H256_SLICES);
 
 template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
@@ -139,7 +147,7 @@ constexpr bool kCountedFor = JAXGPU_DECODE_COUNTED_RING >= 0
 // scales live in registers, and 4 blocks an SM still fit at H 128 (55 KB a block).
 template <typename KV, int kHD, int kMT>
 constexpr bool kTma8Takes =
-    kIs8Bit<KV> && kHD >= 128 && kMT == 1 && kCountedFor<kMT, kSplitHFor<KV, kHD, kMT>>;
+    kIs8Bit<KV> && kHD >= 128 && kMT == 1 && kCountedFor<kMT, kSplitHFor<KV, kHD, kMT, true>>;
 
 // Shared memory of one block, in bytes from the dynamic base (all offsets 16-aligned):
 //   q       (16 kMT, kHD + 8) M          the query rows, padded rows (sm80::SmemTile)
@@ -1059,7 +1067,7 @@ template <typename T, typename KV, int kHD, int kMT, bool kTma>
 cudaError_t LaunchInstance(const PagedAttentionParams& p, int64_t rows_per_kv, int64_t blocks,
                            int row_tiles, const CUtensorMap& k_map, const CUtensorMap& v_map,
                            int box_rows, cudaStream_t stream) {
-  constexpr int kSplitH = kSplitHFor<KV, kHD, kMT>;
+  constexpr int kSplitH = kSplitHFor<KV, kHD, kMT, kTma>;
   using L = Layout<T, KV, kHD, kMT, kSplitH, kTma>;
   auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT, kSplitH, kTma>;
   cudaError_t err =
@@ -1072,12 +1080,13 @@ cudaError_t LaunchInstance(const PagedAttentionParams& p, int64_t rows_per_kv, i
 
 template <typename T, typename KV, int kHD, int kMT>
 cudaError_t Launch(PagedAttentionParams* p, int64_t rows_per_kv, cudaStream_t stream) {
-  constexpr int kSplitH = kSplitHFor<KV, kHD, kMT>;
+  constexpr int kSplitH = kSplitHFor<KV, kHD, kMT, false>;
   constexpr int kBlockThreads = kThreads * kSplitH;
   using L = Layout<T, KV, kHD, kMT, kSplitH>;
   // Per process and instance: the device's SM count and this kernel's blocks an SM (one
   // GPU model per process is the common case; a wrong guess costs speed, not results). The
-  // copy-engine instance fits as many blocks (its tiles are unpadded; 1 KB of alignment).
+  // copy-engine instance fits as many blocks (its tiles are unpadded; 1 KB of alignment; at
+  // H 256 one block an SM whatever its slices).
   static const int64_t slots = [&] {
     auto kernel = PagedAttentionTcKernel<T, KV, kHD, kMT, kSplitH, false>;
     int device = 0, sms = 0, per_sm = 0;
