@@ -105,15 +105,18 @@ using attention::sm80::MmaType;
 #ifndef JAXGPU_QLINEAR_MIN_BLOCKS16
 #define JAXGPU_QLINEAR_MIN_BLOCKS16 3
 #endif
-// The GEMV kernel's int8 with one token tile (the defaults measured best so far): k tiles
-// per warp, the register ring's depth in n-tiles, and the L2 prefetch distance past it. A
-// candidate to measure: 4 k tiles a warp (half the K splits, so half the reduction's
-// traffic) with a ring of 1 n-tile, the L2 prefetch hiding HBM's latency instead.
+// The GEMV kernel's int8 with one token tile: k tiles per warp, the register ring's depth
+// in n-tiles, and the L2 prefetch distance past it. 4 k tiles a warp (half the K splits,
+// so half the reduction's traffic) with a ring of 1 n-tile, the L2 prefetch hiding HBM's
+// latency, against 2 k tiles and a 2-deep ring: H200, tools/check_ab.sh qlinear, GEMV us,
+// two rounds each, 8192 x 28672 / 28672 x 8192: M = 4 85 -> 82 / 89 -> 84 (per column),
+// 96 -> 88 / 96 -> 88 (g128); M = 1 80 -> 78 / 82 -> 81; the int4 rows, which the change
+// does not touch, moved 1-3% the same way (the order of the builds).
 #ifndef JAXGPU_QLINEAR_GEMV_KS8
-#define JAXGPU_QLINEAR_GEMV_KS8 2
+#define JAXGPU_QLINEAR_GEMV_KS8 4
 #endif
 #ifndef JAXGPU_QLINEAR_GEMV_DEPTH8
-#define JAXGPU_QLINEAR_GEMV_DEPTH8 2
+#define JAXGPU_QLINEAR_GEMV_DEPTH8 1
 #endif
 #ifndef JAXGPU_QLINEAR_GEMV_PREFETCH8
 #define JAXGPU_QLINEAR_GEMV_PREFETCH8 2
@@ -658,14 +661,14 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // ---- The GEMV path (M <= 8, int8 16): weights from global memory into registers ----
 //
 // Mapping. A block of 8 warps owns nb n-tiles (a run of the n-tiles) and one K span of
-// kw * kKS k tiles (kKS = 4 at int4, 2 at int8); its warps are kw k-slices x nw n-groups
+// kw * kKS k tiles (kKS = 4 with one token tile, 2 with two); its warps are kw k-slices x nw n-groups
 // (kw * nw = 8, kw the smallest power of two whose slices cover K, at most 8). Warp
 // (ks, ng) loads the B fragments of x for its kKS k tiles into registers once, then walks
 // the block's n-tiles ng, ng + nw, ... over its k-slice. No shared memory, cp.async or
 // barrier stands in the weight path: every lane loads its own 16 (int4) or 32 (int8)
 // contiguous bytes of a tile with 128-bit ld.global.nc (L1 no-allocate) into a register
-// ring kDepth = 2 n-tiles (2 kKS tiles: 4 KiB a warp, int4 and int8) ahead of its use; a
-// tile's registers are refilled with the tile 2 n-tiles later as soon as they are
+// ring kDepth n-tiles ahead of its use (2, int8 with one token tile 1: 4 KiB a warp); a
+// tile's registers are refilled with the tile kDepth n-tiles later as soon as they are
 // dequantized (int8 with one token tile also prefetches the tiles 2 n-tiles past the ring
 // into L2). x is one mma n8 token tile up to M = 8 and two up to 16 (kNT; each A
 // fragment then feeds two mma): the second tile's 8 kKS x registers would take int4 past
