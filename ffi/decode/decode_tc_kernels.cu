@@ -112,10 +112,9 @@ constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
 #define JAXGPU_DECODE_H256_TMA_SLICES 2
 #endif
 template <typename KV, int kHD, int kMT, bool kTma>
-constexpr int kSplitHFor =
-    kHD != 256 || kIs8Bit<KV> || kMT != 1
-        ? (kHD != 256 ? 1 : 2)
-        : (kTma ? JAXGPU_DECODE_H256_TMA_SLICES : JAXGPU_DECODE_H256_SLICES);
+constexpr int kSplitHFor = kHD != 256 || kIs8Bit<KV> || kMT != 1
+                               ? (kHD != 256 ? 1 : 2)
+                               : (kTma ? JAXGPU_DECODE_H256_TMA_SLICES : JAXGPU_DECODE_H256_SLICES);
 
 template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
@@ -128,8 +127,10 @@ constexpr int kBlocksFor =
 //     B 64 2168 -> 2121, L 128k 1096 -> 1074, 8/1 B 64 296 -> 285;
 //   two m-tiles, one slice (H <= 128, 32 rows): 32/8 H128 Tq 8 B 8 354 -> 364, B 64 2601 ->
 //     2659 (slower: kept on the barrier ring);
-//   four slices (H 256, one m-tile): 32/8 H256 Tq 1 B 8 792 -> 824 (slower: kept);
-//   two slices (H 256, two m-tiles): Tq 8 B 8 922 -> 900.
+//   four slices (H 256, one m-tile; JAXGPU_DECODE_H256_TMA_SLICES=4): 32/8 H256 Tq 1 B 8
+//     792 -> 824 (slower: kept on the barrier ring);
+//   two slices (H 256, two m-tiles): Tq 8 B 8 922 -> 900; one m-tile, the default, see
+//     kSplitHFor.
 // The 8-bit caches' copy-engine ring is built on the counted one only (kTma8Takes).
 // -DJAXGPU_DECODE_COUNTED_RING=0 builds every instance on the barrier ring, 1 every one on
 // the counted ring, for such A/B timings; unset, the measured choice above.
@@ -137,9 +138,9 @@ constexpr int kBlocksFor =
 #define JAXGPU_DECODE_COUNTED_RING -1
 #endif
 template <int kMT, int kSplitH>
-constexpr bool kCountedFor = JAXGPU_DECODE_COUNTED_RING >= 0
-                                 ? JAXGPU_DECODE_COUNTED_RING != 0
-                                 : (kSplitH == 1 && kMT == 1) || kSplitH == 2;
+constexpr bool kCountedFor =
+    JAXGPU_DECODE_COUNTED_RING >= 0 ? JAXGPU_DECODE_COUNTED_RING != 0
+                                    : (kSplitH == 1 && kMT == 1) || kSplitH == 2;
 
 // The 8-bit caches' copy-engine ring (counted ring only): a key row of a slice is 128 bytes,
 // one row of the engine's 128-byte swizzle, under which the fragment reads below (keys in
