@@ -342,7 +342,8 @@ def run(bench: harness.Bench) -> None:
     for r in recs:
       print(f"  {case.op:<15} {case.label():<20} {r.implementation:<5} {r.time_us:10.1f} us "
             f"{record.fmt(r.gbs, '7.0f')} GB/s {record.fmt(r.vs_anchor, '.2f')}x {ANCHOR}"
-            + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]" if r.target else ""),
+            + (f"  [{'met' if r.target_met else 'MISSED'}: {r.target}]" if r.target else "")
+            + (f"  ({r.notes})" if case.quantized and r.notes else ""),
             flush=True)
     del arg_sets, fns
 
