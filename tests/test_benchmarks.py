@@ -55,7 +55,7 @@ def test_partial_run_keeps_the_ops_it_left_out_with_their_commit(tmp_path):
   assert by_op["linear"]["time_us"] == 9.0 and "measured" not in by_op["linear"]
   assert by_op["qlinear"]["time_us"] == 5.0
   assert by_op["qlinear"]["measured"]["commit"] == "1111111"
-  assert "The `qlinear` rows are from an earlier run: commit `1111111`" in (
+  assert "The `qlinear` rows are from another run: commit `1111111`" in (
       results.render_results_md(tmp_path))
   # A full run (nothing kept) replaces the family.
   results.merge_family(path, "h100", "matmul", _entry(again, commit="3333333"))
@@ -158,5 +158,17 @@ def test_kept_records_of_an_op_measured_again_in_part_name_their_run(tmp_path):
   results.merge_family(tmp_path / "h100.json", "h100", "model_decode",
                        _entry([old.to_json(), fresh], commit="2222222"))
   text = results.render_results_md(tmp_path)
-  assert ("The `decode m` rows of cuda-int8 are from an earlier run: commit `1111111`, "
+  assert ("The `decode m` rows of cuda-int8 are from another run: commit `1111111`, "
           "2026-11-27.") in text
+
+
+def test_records_of_some_cases_from_another_run_name_those_cases(tmp_path):
+  """A family assembled from two runs (some cases measured again at a later commit): the
+  header names the cases whose rows come from the other run, not the whole op."""
+  again = {**_record("cuda", "fwd", 4.0, op="paged", case="b8"),
+           "measured": {"commit": "3333333", "date": "2026-12-02T00:00:00"}}
+  kept = _record("cuda", "fwd", 6.0, op="paged", case="b64")
+  results.merge_family(tmp_path / "h200.json", "h200", "decode",
+                       _entry([kept, again], commit="2222222"))
+  text = results.render_results_md(tmp_path)
+  assert "The `paged` rows of cuda in `b8` are from another run: commit `3333333`" in text
