@@ -10,6 +10,9 @@
 #     bash tools/run_on_gpu.sh build gputest          # then --shard=1/2
 #   BENCH_ARGS="--quick" bash tools/run_on_gpu.sh bench
 #   JAXGPU_CUDA=OFF bash tools/run_on_gpu.sh build   # CPU smoke run of the build stage
+#   WHEEL=dist/jaxgpu-0.1.0-cp312-abi3-linux_x86_64.whl bash tools/run_on_gpu.sh build gputest
+#     # installs a wheel built elsewhere (JAXGPU_CUDA_ARCHS=90a pip wheel --no-deps . on
+#     # Python >= 3.12: the abi3 wheel), so the GPU machine's time is not spent compiling
 #
 # Writes at most 7 files, all directly under the output folder given by OUT (default
 # /tmp/out): nvidia-smi.log build.log info.log tests.log bench.log <gpu>.json RESULTS.md
@@ -50,9 +53,15 @@ nvidia-smi > "$OUT/nvidia-smi.log" 2>&1 || echo "nvidia-smi failed" >> "$OUT/nvi
 head -n 12 "$OUT/nvidia-smi.log"
 
 if want build; then
-  note "build (sm_$JAXGPU_CUDA_ARCHS) -> $OUT/build.log"
+  if [ -n "${WHEEL:-}" ]; then
+    note "install $WHEEL -> $OUT/build.log"
+    what=("$WHEEL" --force-reinstall)
+  else
+    note "build (sm_$JAXGPU_CUDA_ARCHS) -> $OUT/build.log"
+    what=(.)
+  fi
   # Non-editable, no isolation (the machine has no network), no deps (all preinstalled).
-  if ! python3 -m pip install --no-build-isolation --no-deps -v . > "$OUT/build.log" 2>&1; then
+  if ! python3 -m pip install --no-build-isolation --no-deps -v "${what[@]}" > "$OUT/build.log" 2>&1; then
     tail -n 60 "$OUT/build.log"
     note "BUILD FAILED"
     exit 1
