@@ -33,8 +33,8 @@ case "$family" in
   *) echo "family: decode or qlinear" >&2; exit 2 ;;
 esac
 NVCC=${NVCC:-nvcc}
-DEFS_A=${DEFS_A:-$default_a}
-DEFS_B=${DEFS_B:-$default_b}
+DEFS_A=${DEFS_A-$default_a}  # set but empty: no defines
+DEFS_B=${DEFS_B-$default_b}
 CHECK_RUNS=${CHECK_RUNS:-$default_checks}
 TIME_ARGS=${TIME_ARGS:-$default_time}
 ROUNDS=${ROUNDS:-2}

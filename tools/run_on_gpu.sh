@@ -61,7 +61,8 @@ if want build; then
     what=(.)
   fi
   # Non-editable, no isolation (the machine has no network), no deps (all preinstalled).
-  if ! python3 -m pip install --no-build-isolation --no-deps -v "${what[@]}" > "$OUT/build.log" 2>&1; then
+  if ! python3 -m pip install --no-build-isolation --no-deps -v "${what[@]}" \
+      > "$OUT/build.log" 2>&1; then
     tail -n 60 "$OUT/build.log"
     note "BUILD FAILED"
     exit 1

@@ -102,19 +102,17 @@ def render_results_md(results_dir: Path = RESULTS_DIR) -> str:
                  f"({e.get('ceiling_source', '?')}); copy measured in this run "
                  f"{_md_num(e.get('copy_gbs'), '.0f') or '?'} GB/s; dispatch floor "
                  f"{_md_num(e.get('dispatch_floor_us'), '.1f') or '?'} us.")
-      earlier: dict[tuple[str, str, str], set[str]] = {}
-      earlier_cases: dict[tuple[str, str, str], set[str]] = {}
+      earlier: dict[tuple[str, str, str], list[dict[str, Any]]] = {}
       for r in e.get("records", []):
         if r.get("measured"):
           key = (r["op"], r["measured"].get("commit") or "unknown",
                  (r["measured"].get("date") or "?")[:10])
-          earlier.setdefault(key, set()).add(r["implementation"])
-          earlier_cases.setdefault(key, set()).add(r.get("case", "?"))
-      for (op, commit, date), impls in sorted(earlier.items()):
+          earlier.setdefault(key, []).append(r)
+      for (op, commit, date), older in sorted(earlier.items()):
         fresh = [r for r in e.get("records", []) if r["op"] == op and not r.get("measured")]
-        which = f" of {', '.join(sorted(impls))}" if fresh else ""
+        which = f" of {', '.join(sorted({r['implementation'] for r in older}))}" if fresh else ""
         # Name the cases when only some of the op's cases come from that run.
-        cases = earlier_cases[(op, commit, date)]
+        cases = {r.get("case") for r in older}
         if {r.get("case") for r in fresh} - cases:
           which += f" in {', '.join(f'`{c}`' for c in sorted(cases))}"
         head += f"  The `{op}` rows{which} are from another run: commit `{commit}`, {date}."

@@ -112,9 +112,10 @@ constexpr int kMinBlocksFor = kIs8Bit<KV> && kHD <= 128 && kMT == 1 ? 4 : 2;
 #define JAXGPU_DECODE_H256_TMA_SLICES 2
 #endif
 template <typename KV, int kHD, int kMT, bool kTma>
-constexpr int kSplitHFor = kHD != 256 || kIs8Bit<KV> || kMT != 1
-                               ? (kHD != 256 ? 1 : 2)
-                               : (kTma ? JAXGPU_DECODE_H256_TMA_SLICES : JAXGPU_DECODE_H256_SLICES);
+constexpr int kSplitHFor = kHD != 256                ? 1
+                           : kIs8Bit<KV> || kMT != 1 ? 2
+                           : kTma                    ? JAXGPU_DECODE_H256_TMA_SLICES
+                                                     : JAXGPU_DECODE_H256_SLICES;
 
 template <typename KV, int kHD, int kMT, int kSplitH>
 constexpr int kBlocksFor =
@@ -174,8 +175,10 @@ struct Layout {
   static constexpr int kRing =
       kTma ? (kQ + kRows * kStride * 2 + 1023) / 1024 * 1024 : kQ + kRows * kStride * 2;
   static constexpr int kStageBytes = 2 * kRawTile;
-  // The counted ring keeps its keys' flags (and an 8-bit cache's scales) in registers.
-  static constexpr bool kFlagsInSmem = !(kTma && kCountedFor<kMT, kSplitH>);
+  // The counted ring (see kCountedFor) keeps its keys' flags (and an 8-bit cache's
+  // scales) in registers.
+  static constexpr bool kCounted = kTma && kCountedFor<kMT, kSplitH>;
+  static constexpr bool kFlagsInSmem = !kCounted;
   static constexpr int kOk = kRing + kStages * kStageBytes;
   static constexpr int kScale = kOk + (kFlagsInSmem ? kStages * kKeys * 4 : 0);
   static constexpr int kSwap = kScale + (kIs8Bit<KV> && kFlagsInSmem ? kStages * 2 * kKeys * 4 : 0);
@@ -237,9 +240,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
                            const __grid_constant__ CUtensorMap v_map, int box_rows) {
   static_assert(!kTma || !kIs8Bit<KV> || kTma8Takes<KV, kHD, kMT>,
                 "the copy-engine ring over an 8-bit cache: counted ring, H >= 128, one m-tile");
-  constexpr bool kCounted = kTma && kCountedFor<kMT, kSplitH>;
-  constexpr bool kTma8 = kTma && kIs8Bit<KV>;  // keys in natural order, flags in registers
   using L = Layout<T, KV, kHD, kMT, kSplitH, kTma>;
+  constexpr bool kCounted = L::kCounted;
+  constexpr bool kTma8 = kTma && kIs8Bit<KV>;  // keys in natural order, flags in registers
   constexpr int kBlockThreads = kThreads * kSplitH;
   constexpr int kSlice = kHD / kSplitH;  // head dims of a warp's products
   // The products' type: the query's, or half over an 8-bit cache (see WidenPair; the

@@ -661,8 +661,8 @@ cudaError_t LaunchBits(const QLinearParams& p, cudaStream_t stream, int device, 
 // ---- The GEMV path (M <= 8, int8 16): weights from global memory into registers ----
 //
 // Mapping. A block of 8 warps owns nb n-tiles (a run of the n-tiles) and one K span of
-// kw * kKS k tiles (kKS = 4 with one token tile, 2 with two); its warps are kw k-slices x nw n-groups
-// (kw * nw = 8, kw the smallest power of two whose slices cover K, at most 8). Warp
+// kw * kKS k tiles (kKS = 4 with one token tile, 2 with two); its warps are kw k-slices x
+// nw n-groups (kw * nw = 8, kw the smallest power of two whose slices cover K, at most 8). Warp
 // (ks, ng) loads the B fragments of x for its kKS k tiles into registers once, then walks
 // the block's n-tiles ng, ng + nw, ... over its k-slice. No shared memory, cp.async or
 // barrier stands in the weight path: every lane loads its own 16 (int4) or 32 (int8)
