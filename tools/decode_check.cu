@@ -57,6 +57,10 @@ using namespace jaxgpu::check;  // NOLINT: the checkers' own helpers
 
 // Slots a page (--page-size; 16 unless given): a multiple of 8.
 int g_page_size = 16;
+// --pages-in-order: page j of row r is pool page r x pages_per_row + j (a contiguous cache
+// in pages), instead of the pool's pages shuffled over all rows; the timings then show what
+// the shuffled order's scattered pages cost (DRAM and TLB locality) against the same bytes.
+bool g_pages_in_order = false;
 constexpr int kTargetBlocks = 4 * 132;  // jaxgpu/ops/decode.py's workspace bound
 constexpr int kMinSplitPages = 4;
 constexpr int kMaxSplits = 64;
@@ -118,7 +122,7 @@ Problem Build(const Case& c, std::mt19937& rng, bool fill_random) {
   // the row's length is left valid (the kernel must not read it).
   std::vector<int32_t> ids(pr.pages);
   std::iota(ids.begin(), ids.end(), 0);
-  std::shuffle(ids.begin(), ids.end(), rng);
+  if (!g_pages_in_order) std::shuffle(ids.begin(), ids.end(), rng);
   pr.table = ids;
   pr.lengths.resize(c.b);
   std::uniform_int_distribution<int64_t> ulen(int64_t(c.tq), c.length);
@@ -536,13 +540,15 @@ int main(int argc, char** argv) {
       time = false;
     else if (a == "--page-size" && i + 1 < argc)
       g_page_size = std::atoi(argv[++i]);
+    else if (a == "--pages-in-order")
+      g_pages_in_order = true;
     else if (a == "--iters" && i + 1 < argc)
       iters = std::atoi(argv[++i]);
     else if (a == "--case" && i + 1 < argc)
       cases.push_back(ParseCase(argv[++i])), check = false;
     else {
       std::printf(
-          "usage: %s [--no-check] [--no-time] [--page-size S] [--iters N] [--case N,K,H,B,L,Tq,cache,splits,window]\n",
+          "usage: %s [--no-check] [--no-time] [--page-size S] [--pages-in-order] [--iters N] [--case N,K,H,B,L,Tq,cache,splits,window]\n",
           argv[0]);
       return 2;
     }
