@@ -11,7 +11,8 @@
 // and the speed table times both kernels on the same inputs (launches interleaved) side by
 // side. One case under Nsight Compute (the GEMV kernel of int4 g128 8192 x 28672, M = 1):
 //   ncu --set full -k regex:QLinearGemvKernel -c 1 -o /tmp/qgemv /tmp/qc --gemv --one
-// (--one: only int4 K = 8192 at M = 1 and 16; the staged kernel: -k regex:QLinearKernel).
+// (--one: only int4 K = 8192 at M = 1 and 16, or with --bits 8 the int8 cases; the staged
+// kernel: -k regex:QLinearKernel).
 //
 // --wgmma: the same through the Hopper kernel (kWgmma; cases it cannot serve run the staged
 // kernel and are counted apart), plus cases for its shapes (M from 17 to 300 across token
@@ -435,6 +436,7 @@ std::vector<double> TimeCase(DType dtype, int bits, int64_t K, int64_t N, int64_
 
 int main(int argc, char** argv) {
   bool do_time = true, verbose = false, do_check = true, quick = false, one = false;
+  int one_bits = 4;  // --one's weights: int4, or int8 with --bits 8
   bool gemv = false, wgmma = false;
   std::vector<std::pair<int64_t, int64_t>> shapes;  // the timed weights, K x N
   std::vector<int64_t> rows;                        // --m: the timed M (--wgmma)
@@ -445,6 +447,7 @@ int main(int argc, char** argv) {
     if (std::string(argv[i]) == "--quick") quick = true;
     if (std::string(argv[i]) == "--one") one = true, do_check = false;
     if (std::string(argv[i]) == "--gemv") gemv = true;
+    if (std::string(argv[i]) == "--bits" && i + 1 < argc) one_bits = std::atoi(argv[++i]);
     if (std::string(argv[i]) == "--wgmma") wgmma = true;
     long long k = 0, n = 0, m = 0;
     if (std::string(argv[i]) == "--m" && i + 1 < argc && std::sscanf(argv[++i], "%lld", &m) == 1 &&
@@ -602,7 +605,7 @@ int main(int argc, char** argv) {
     for (auto [K, N] : shapes) {
       for (const TC& tc : tcs) {
         if (tc.dt == DType::kF16 || (quick && tc.gs == 128 && tc.bits == 8)) continue;
-        if (one && tc.bits != 4) continue;
+        if (one && tc.bits != one_bits) continue;
         if (rows.empty()) rows = {16, 64, 128, 256, 1024, 4096};
         for (int64_t M : rows) {
           if (quick && (M == 128 || M == 1024)) continue;
@@ -630,7 +633,7 @@ int main(int argc, char** argv) {
     for (const TC& tc : tcs) {
       for (int64_t M : {1, 4, 16, 64, 256}) {
         if (tc.dt == DType::kF16 && M > 16) continue;
-        if (one && (K != 8192 || tc.bits != 4 || (M != 1 && M != 16))) continue;
+        if (one && (K != 8192 || tc.bits != one_bits || (M != 1 && M != 16))) continue;
         if (quick && (M == 4 || M == 256 || tc.dt == DType::kF16 || tc.gs == 128 && tc.bits == 8))
           continue;
         double gbps = 0;
