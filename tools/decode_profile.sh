@@ -23,7 +23,7 @@ fi
 i=0
 for c in ${CASES:-}; do
   i=$((i + 1))
-  ncu --clock-control none -k regex:PagedAttention --launch-skip 1 --launch-count 2 \
+  ncu --clock-control none -k regex:PagedAttentionTc --launch-skip 1 --launch-count 1 \
       --section SpeedOfLight --section MemoryWorkloadAnalysis --section Occupancy \
       --section WarpStateStats --section SchedulerStats --section LaunchStats \
       --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
