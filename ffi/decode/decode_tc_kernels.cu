@@ -143,14 +143,6 @@ constexpr bool kCountedFor =
     JAXGPU_DECODE_COUNTED_RING >= 0 ? JAXGPU_DECODE_COUNTED_RING != 0
                                     : (kSplitH == 1 && kMT == 1) || kSplitH == 2;
 
-// The counted ring also asks the copy engine to bring tile it + kStages + kPrefetchTiles
-// into L2 when it issues tile it + kStages (0: no prefetch), so that more of the cache is
-// in flight than the ring holds. -DJAXGPU_DECODE_L2_PREFETCH_TILES=N builds N for A/B timings.
-#ifndef JAXGPU_DECODE_L2_PREFETCH_TILES
-#define JAXGPU_DECODE_L2_PREFETCH_TILES 0
-#endif
-constexpr int kPrefetchTiles = JAXGPU_DECODE_L2_PREFETCH_TILES;
-
 // The 8-bit caches' copy-engine ring (counted ring only): a key row of a slice is 128 bytes,
 // one row of the engine's 128-byte swizzle, under which the fragment reads below (keys in
 // the mma's natural order) hit distinct banks; with 16 rows (one m-tile) its flags and
@@ -466,19 +458,6 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     }
   };
 
-  // kCounted with kPrefetchTiles: tile `it`'s boxes into L2 (page from segment_page).
-  auto prefetch_tile_tma = [&](int it, int32_t page) {
-    if (page < 0 || page >= p.num_pages) return;
-    const int32_t pos = begin + it * kKeys + int32_t(lane) * box_rows;
-    const int slot = pos - (pos / S) * S;
-    const int b = int(pool_base) + page;
-#pragma unroll
-    for (int cb = 0; cb < kColumnBlocks; ++cb) {
-      sm90::TmaPrefetchBox(&k_map, cb * kBoxValues, int(kvh), slot, b);
-      sm90::TmaPrefetchBox(&v_map, cb * kBoxValues, int(kvh), slot, b);
-    }
-  };
-
   // kTma: this warp's 16 keys of tile `it` (key0 ..), a bit each: in the split and on a
   // valid page, the copy engine's rule. The counted ring's warps read them from the block
   // table themselves, lane l for key l & 15 (shared flags would need a barrier between
@@ -622,10 +601,6 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
       for (int it = 0; it < kStages; ++it) {
         if (it < num_tiles) issue_tile_tma(it, segment_page(it));
       }
-#pragma unroll
-      for (int it = kStages; it < kStages + kPrefetchTiles; ++it) {
-        if (it < num_tiles) prefetch_tile_tma(it, segment_page(it));
-      }
     }
     asm volatile("cp.async.commit_group;\n" ::: "memory");
     asm volatile("cp.async.wait_group 0;\n" ::: "memory");
@@ -687,15 +662,11 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     const int key0 = warp * 16;  // this warp's keys of the tile
     uint32_t ok_mask = 0u;       // kTma: this warp's keys' flags
     int32_t next_page = -1;      // kCounted: this lane's segment of tile it + kStages
-    int32_t prefetch_page = -1;  // and of tile it + kStages + kPrefetchTiles
     float scale8 = 0.f;          // kTma8: a scale of this lane's key (tile_ok_mask)
     if constexpr (kCounted) {
       // The table (and kTma8's scale) reads overlap the wait.
       ok_mask = tile_ok_mask(it, stage, key0, &scale8);
       if (it + kStages < num_tiles) next_page = segment_page(it + kStages);
-      if (kPrefetchTiles > 0 && it + kStages + kPrefetchTiles < num_tiles) {
-        prefetch_page = segment_page(it + kStages + kPrefetchTiles);
-      }
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
       fix_tile(it, stage, key0, ok_mask);
     } else if constexpr (kTma) {
@@ -985,9 +956,6 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
         asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
 #endif
         issue_tile_tma(it + kStages, next_page);
-        if (kPrefetchTiles > 0 && it + kStages + kPrefetchTiles < num_tiles) {
-          prefetch_tile_tma(it + kStages + kPrefetchTiles, prefetch_page);
-        }
       }
     }
   }

@@ -140,18 +140,6 @@ __device__ __forceinline__ void TmaLoadBox(void* dst, const CUtensorMap* map, ui
 #endif
 }
 
-// The same box into L2 only (no shared memory, no barrier): a copy issued later finds it
-// there.
-__device__ __forceinline__ void TmaPrefetchBox(const CUtensorMap* map, int col, int head, int row,
-                                               int b) {
-#if JAXGPU_WGMMA_DEVICE
-  asm volatile("cp.async.bulk.prefetch.tensor.4d.L2.global.tile [%0, {%1, %2, %3, %4}];\n" ::"l"(
-                   reinterpret_cast<uint64_t>(map)),
-               "r"(col), "r"(head), "r"(row), "r"(b)
-               : "memory");
-#endif
-}
-
 // All column blocks of a (kRows, kDim) SwizzledTile: kDim / 64 boxes, kRows * kDim * 2
 // bytes announced on `bar` by the calling thread (its one arrival).
 template <int kRows, int kDim>
