@@ -408,9 +408,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
 
   // kTma: this lane's page segment of tile `it`, box_rows keys (64 / box_rows segments,
   // box_rows dividing the page size or a multiple of 64, so that no segment crosses a
-  // page): its page entry, or -1 past the split. The counted ring's warps read it two
-  // tiles before the release that issues the copy (every warp: which one issues is known
-  // only at its release), so that the issuing warp does not wait on the table.
+  // page): its page entry, or -1 past the split. The counted ring reads it a tile ahead of
+  // the copy's issue (by every warp: which one issues is known only at its release), so
+  // that the issuing warp does not wait on the table.
   auto segment_page = [&](int it) -> int32_t {
     const int segments = kKeys / box_rows;
     const int32_t pos = begin + it * kKeys + int32_t(lane) * box_rows;
@@ -458,29 +458,22 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     }
   };
 
-  // kCounted: the page entry of this lane's key (key0 + (lane & 15)) of tile `it`, -1 past
-  // the split.
-  auto key_page = [&](int it, int key0) -> int32_t {
-    const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
-    return pos < end ? table[pos / S] : -1;
-  };
-
   // kTma: this warp's 16 keys of tile `it` (key0 ..), a bit each: in the split and on a
-  // valid page, the copy engine's rule. The counted ring's warps take them from the block
-  // table themselves (`page`: key_page's entry, read a tile ahead), lane l for key l & 15
-  // (shared flags would need a barrier between their writer and the warps); otherwise from
-  // the flags issue_tile_tma wrote. kTma8 also sets `scale8` to lane l's key's K scale
-  // (lanes 0-15) or V scale (16-31), 0 where the key is not valid (a stale scale could be
-  // NaN, and 0 x NaN is not 0); scales (Gp, P, S, K): the token's index in the pool, times
-  // K, plus the kv head.
-  auto tile_ok_mask = [&](int it, int stage, int key0, int32_t page, float* scale8) -> uint32_t {
+  // valid page, the copy engine's rule. The counted ring's warps read them from the block
+  // table themselves, lane l for key l & 15 (shared flags would need a barrier between
+  // their writer and the warps); otherwise from the flags issue_tile_tma wrote. kTma8 also
+  // sets `scale8` to lane l's key's K scale (lanes 0-15) or V scale (16-31), 0 where the key
+  // is not valid (a stale scale could be NaN, and 0 x NaN is not 0); scales (Gp, P, S, K):
+  // the token's index in the pool, times K, plus the kv head.
+  auto tile_ok_mask = [&](int it, int stage, int key0, float* scale8) -> uint32_t {
     bool ok;
     if constexpr (kCounted) {
+      const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
+      const int32_t page = pos < end ? table[pos / S] : -1;
       ok = page >= 0 && page < p.num_pages;
       if constexpr (kTma8) {
         *scale8 = 0.f;
         if (ok) {
-          const int32_t pos = begin + it * kKeys + key0 + (lane & 15);
           const int64_t token = (pool_base + page) * S + (pos - (pos / S) * S);
           *scale8 = (lane < 16 ? p.k_scale : p.v_scale)[token * K + kvh];
         }
@@ -501,7 +494,7 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   // ring reads them here.
   auto fix_tile = [&](int it, int stage, int key0, uint32_t ok_mask) {
     const int32_t tile_key0 = begin + it * kKeys + key0;
-    if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0, -1, nullptr);
+    if constexpr (!kCounted) ok_mask = tile_ok_mask(it, stage, key0, nullptr);
     const bool any_new = fused && tile_key0 + 15 >= new_first && tile_key0 < end;
     if (ok_mask == 0xffffu && !any_new) return;
     constexpr int kSliceChunks = kSlice * int(sizeof(KV)) / 16;
@@ -664,13 +657,6 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
   }
   att::Zero(acc);
 
-  // kCounted: this lane's table entries for the next tile (key_page, segment_page of the
-  // tile kStages later), carried across iterations.
-  int32_t ahead_key_page = -1, ahead_segment_page = -1;
-  if constexpr (kCounted) {
-    ahead_key_page = key_page(0, warp * 16);
-    ahead_segment_page = kStages < num_tiles ? segment_page(kStages) : -1;
-  }
   for (int it = 0; it < num_tiles; ++it) {
     const int stage = it % kStages;
     const int key0 = warp * 16;  // this warp's keys of the tile
@@ -678,14 +664,9 @@ __global__ void __launch_bounds__(kThreads* kSplitH, (kBlocksFor<KV, kHD, kMT, k
     int32_t next_page = -1;      // kCounted: this lane's segment of tile it + kStages
     float scale8 = 0.f;          // kTma8: a scale of this lane's key (tile_ok_mask)
     if constexpr (kCounted) {
-      // The table entries are read a tile ahead, so that their latency is hidden behind a
-      // tile's work, not only the wait (kTma8's scale, which needs its entry, overlaps the
-      // wait and the logits).
-      const int32_t page = ahead_key_page;
-      next_page = ahead_segment_page;
-      ahead_key_page = key_page(it + 1, key0);
-      ahead_segment_page = it + 1 + kStages < num_tiles ? segment_page(it + 1 + kStages) : -1;
-      ok_mask = tile_ok_mask(it, stage, key0, page, &scale8);
+      // The table (and kTma8's scale) reads overlap the wait.
+      ok_mask = tile_ok_mask(it, stage, key0, &scale8);
+      if (it + kStages < num_tiles) next_page = segment_page(it + kStages);
       sm90::MbarrierWait(&s_full[stage], uint32_t(it / kStages) & 1u);
       fix_tile(it, stage, key0, ok_mask);
     } else if constexpr (kTma) {
