@@ -13,6 +13,9 @@
 // one hangs). --time-options: no checks, only the options case against the plain one
 // (TimeOptions: softcap + window + segment ids all 0, B4 T4096 N16 H128, interleaved).
 // --time-only: no checks, the timed shapes alone.
+// --shape B,T,S,K,R,H[,causal]: no checks, time only that shape (bf16; K kv heads of R query
+// heads each), e.g. under Nsight Compute:
+//   ncu -k regex:BwdWsKernel --launch-skip 2 --launch-count 1 /tmp/awbc --shape 4,4096,4096,16,1,256
 //
 // The walk order (bwd_ws_sm90.cu's file comment): causal and right-window masks walk query
 // tiles up and add dQ in decreasing key-tile order. To A/B it against the previous order
@@ -716,6 +719,7 @@ void TimeOptions() {
 
 int main(int argc, char** argv) {
   bool time = true, options_only = false, check = true;
+  std::vector<Case> only;  // --shape
   for (int i = 1; i < argc; ++i) {
     if (std::strcmp(argv[i], "--no-time") == 0) {
       time = false;
@@ -727,10 +731,21 @@ int main(int argc, char** argv) {
       g_nondeterministic_only = true;
     } else if (std::strcmp(argv[i], "--self-test") == 0) {
       return SelfTestReference() ? 0 : 1;
+    } else if (std::strcmp(argv[i], "--shape") == 0 && i + 1 < argc) {
+      long long b, t, s_, k, r, h;
+      int causal = 0;
+      if (std::sscanf(argv[++i], "%lld,%lld,%lld,%lld,%lld,%lld,%d", &b, &t, &s_, &k, &r, &h,
+                      &causal) < 6) {
+        std::printf("--shape: B,T,S,K,R,H[,causal]\n");
+        return 2;
+      }
+      Case c{b, t, s_, k, r, h, causal != 0};
+      only.push_back(c);
+      check = false;
     } else {
       std::printf(
           "usage: %s [--no-time] [--nondeterministic] [--self-test] [--time-options] "
-          "[--time-only]\n",
+          "[--time-only] [--shape B,T,S,K,R,H[,causal]]\n",
           argv[0]);
       return 2;
     }
@@ -814,6 +829,11 @@ int main(int argc, char** argv) {
   }
   if (options_only) {
     TimeOptions();
+  } else if (!only.empty()) {
+    for (const Case& c : only) {
+      Time(c, false);
+      if (!g_nondeterministic_only) Time(c, true);
+    }
   } else if (time) {
     const std::vector<Case> shapes = {
         {4, 4096, 4096, 16, 1, 128},
