@@ -14,8 +14,9 @@
 // (TimeOptions: softcap + window + segment ids all 0, B4 T4096 N16 H128, interleaved).
 // --time-only: no checks, the timed shapes alone.
 // --shape B,T,S,K,R,H[,causal]: no checks, time only that shape (bf16; K kv heads of R query
-// heads each), e.g. under Nsight Compute:
-//   ncu -k regex:BwdWsKernel --launch-skip 2 --launch-count 1 /tmp/awbc --shape 4,4096,4096,16,1,256
+// heads each), e.g. under Nsight Compute (each mode runs 13 launches, the unordered first:
+// --launch-skip 15 profiles the deterministic mode's third):
+//   ncu -k regex:BwdWsKernel --launch-skip 15 --launch-count 1 /tmp/awbc --shape 4,4096,4096,16,1,256
 //
 // The walk order (bwd_ws_sm90.cu's file comment): causal and right-window masks walk query
 // tiles up and add dQ in decreasing key-tile order. To A/B it against the previous order
@@ -829,13 +830,8 @@ int main(int argc, char** argv) {
   }
   if (options_only) {
     TimeOptions();
-  } else if (!only.empty()) {
-    for (const Case& c : only) {
-      Time(c, false);
-      if (!g_nondeterministic_only) Time(c, true);
-    }
-  } else if (time) {
-    const std::vector<Case> shapes = {
+  } else if (time || !only.empty()) {
+    const std::vector<Case> defaults = {
         {4, 4096, 4096, 16, 1, 128},
         {4, 4096, 4096, 16, 1, 128, true},
         {1, 16384, 16384, 16, 1, 128},
@@ -845,11 +841,11 @@ int main(int argc, char** argv) {
         {4, 4096, 4096, 16, 1, 256, true},            // H 256 causal
         {4, 4096, 4096, 16, 1, 128, false, 1024, 0},  // sliding window
     };
-    for (const Case& c : shapes) {
+    for (const Case& c : only.empty() ? defaults : only) {
       Time(c, false);
       if (!g_nondeterministic_only) Time(c, true);
     }
-    TimeOptions();
+    if (only.empty()) TimeOptions();
   }
   return failed == 0 ? 0 : 1;
 }

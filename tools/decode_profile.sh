@@ -4,7 +4,8 @@
 # kernel's sections written to $OUT/ncu_<i>.txt. Run on the GPU machine:
 #   OUT=/tmp/out bash tools/decode_profile.sh
 # DC_BIN=<path> runs a decode_check built elsewhere (the same nvcc line, e.g. on a machine
-# without a GPU) instead of building it here.
+# without a GPU) instead of building it here; NCU_DC_ARGS= adds flags to the profiled runs
+# (e.g. --pages-in-order).
 set -euo pipefail
 OUT=${OUT:-/tmp/decode_profile}
 mkdir -p "$OUT" /tmp/dc_build
