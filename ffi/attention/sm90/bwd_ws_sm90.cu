@@ -30,11 +30,11 @@
 //   dQ_step (float32) -> the slot's own Q/dO bytes (64 x H x 4 = 2 x 64 x H x 2: exactly
 //   a slot), fence.proxy.async, arrive on dq_full.
 // The writer warp then (deterministic: waits for the query tile's semaphore to equal this
-// key tile's rank; except at H = 128, before the partial is staged) issues one reduce-add
-// per 32-column box, commits the bulk group, waits for its source to be read and frees the
-// slot for the copy warp (deterministic: then waits for the adds' completion and publishes
-// rank + 1 with a release store; at H = 128 it frees the slot only after that: the orders'
-// timings are at kOverlapDqHandoff). Staging dQ in the slot it came from
+// key tile's rank) issues one reduce-add per 32-column box, commits the bulk group, waits
+// for its source to be read and frees the slot for the copy warp; deterministic, it then
+// waits for the adds' completion and publishes rank + 1 with a release store (at H = 128
+// the poll follows the staging and the slot is freed only after the release: the measured
+// order per head dim, kOverlapDqHandoff). Staging dQ in the slot it came from
 // is what makes H = 256 fit: K, V (64 KB), 2 slots of Q, dO (128 KB), P^T and dS^T (16 KB).
 //
 // Tile shapes. H <= 128: 128 keys a CTA, each math warpgroup 64 keys x 64 queries of S^T,
@@ -602,6 +602,7 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
   const int m_tiles = static_cast<int>((p.q_len + kM - 1) / kM);
   const int dim = static_cast<int>(p.head_dim);
   constexpr bool kOverlap = Tr::kOverlapDqHandoff;
+  const bool free_on_read = kOverlap || !deterministic;
   StepCursor cur(tile);
   for (int s = 0; s < tile.steps; ++s, cur.Next(group)) {
     const int st = s % kS;
@@ -628,7 +629,7 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
       }
     }
     BulkCommit();
-    if (kOverlap || !deterministic) {
+    if (free_on_read) {
       BulkWaitRead<0>();  // the slot's partial read: the copy warp may refill it
       MbarrierArrive(sm.empty(st));
     }
@@ -636,8 +637,8 @@ __device__ __forceinline__ void DqWriter(const AttentionParams& p, const BwdMaps
       BulkWait<0>();  // the adds performed, not only their source read
       FenceProxyAsyncGlobal();
       StoreReleaseGpu(sem, rank + 1);
-      if (!kOverlap) MbarrierArrive(sm.empty(st));
     }
+    if (!free_on_read) MbarrierArrive(sm.empty(st));
   }
   BulkWait<0>();
 }
